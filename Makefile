@@ -1,0 +1,37 @@
+# The two commands a newcomer needs: `make report` (main job) and `make test`.
+# Both create .venv when it is missing and install the project into it.
+PYTHON ?= python3
+VENV := .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.installed
+# torch when the venv has none: pip takes a CPU build from local disk where one lies there,
+# PyPI's build elsewhere. A torch already in the venv is kept.
+TORCH_PIN ?= torch==2.13.0
+
+.PHONY: report test lab lint bench clean install
+
+install: $(STAMP)
+
+$(STAMP): pyproject.toml
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install --quiet --upgrade pip
+	$(PY) -c "import torch" 2>/dev/null || $(PY) -m pip install --quiet "$(TORCH_PIN)"
+	$(PY) -m pip install --quiet -e ".[test]"
+	touch $(STAMP)
+
+report: $(STAMP)
+	$(PY) -m helpers report
+
+test: $(STAMP)
+	$(PY) -m ruff check helpers tests bench
+	$(PY) -m pytest tests
+	$(PY) -m pytest --nbval-lax notebooks -p no:cacheprovider
+
+lab: $(STAMP)
+	$(VENV)/bin/jupyter lab notebooks
+
+bench: $(STAMP)
+	for f in bench/*.py; do $(PY) $$f || exit 1; done
+
+clean:
+	rm -rf $(VENV) reports

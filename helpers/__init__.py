@@ -1,0 +1,11 @@
+"""Troubleshooting multi-GPU training with Hugging Face Accelerate: the logic behind the notebooks.
+
+Light on import: torch, accelerate and matplotlib are imported inside the functions that need
+them, so ``python -m helpers lint`` or ``facts`` start in a fraction of a second.
+"""
+
+__version__ = "0.1.0"
+
+from helpers.launch import install_cuda_watch as _install_cuda_watch
+
+_install_cuda_watch()

@@ -1,0 +1,528 @@
+"""Process lifetime of N ranks started from a notebook or a script.
+
+``launch(fn, num_processes=N)`` forks N ranks (also for one rank), creates a real process group in
+each (gloo on machines without GPUs, NCCL where every rank has its own GPU), runs ``fn`` in every
+rank and returns the ranks' return values as a list ordered by rank.
+
+Guarantees, whatever happens (success, an exception in a rank, a hang past the deadline, a killed
+rank, KeyboardInterrupt in the caller, the caller killed with SIGKILL):
+- every rank has SIGINT/SIGTERM at their defaults and dies with its parent (PR_SET_PDEATHSIG);
+- each rank's Python stacks can be dumped on request (faulthandler on ``STACK_SIGNAL``, blocked
+  across the fork so an early signal cannot kill a rank before the handler is registered);
+- the run ends with every child and grandchild gone (SIGTERM, SIGKILL within 2 s), and the run's
+  temporary folder removed: torch.distributed's and torchelastic's temporary files go inside it.
+
+Why not accelerate's ``notebook_launcher``: it returns nothing, runs with ``/tmp/torchelastic_*``
+left behind, turns Ctrl-C into an exception that ``except Exception`` swallows, and leaves blocked
+ranks running when the caller is killed. Notebook 03 still exercises it, in a guarded child.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import faulthandler
+import importlib.util
+import multiprocessing
+import multiprocessing.connection
+import os
+import pickle
+import shutil
+import signal
+import socket
+import sys
+import tempfile
+import time
+import traceback
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Protocol
+
+from helpers import params
+
+STACK_SIGNAL = signal.SIGUSR1
+KILL_GRACE_S = 2.0
+STACK_WAIT_S = 2.0
+_PR_SET_PDEATHSIG = 1
+
+
+# ---------------------------------------------------------------------------------------------
+# errors
+
+
+class LaunchError(RuntimeError):
+    """A distributed run did not complete; ``stacks`` maps rank -> dumped Python stacks."""
+
+    def __init__(self, message: str, stacks: dict[int, str] | None = None):
+        super().__init__(message)
+        self.stacks = stacks or {}
+
+
+class RankError(LaunchError):
+    """A rank raised: names the rank, the exception type and carries its traceback."""
+
+    def __init__(self, rank: int, exc_type: str, message: str, tb: str):
+        super().__init__(f"rank {rank} raised {exc_type}: {message}\n\n{tb}")
+        self.rank, self.exc_type, self.exc_message, self.traceback = rank, exc_type, message, tb
+
+
+class RankExited(LaunchError):
+    """A rank ended without returning a result (killed by a signal, os._exit, segfault)."""
+
+    def __init__(self, rank: int, exit_code: int | None):
+        super().__init__(f"rank {rank} ended without a result: {describe_exit(exit_code)}")
+        self.rank, self.exit_code = rank, exit_code
+
+
+class LaunchTimeout(LaunchError):
+    """The run passed its deadline; every rank's stack was captured before it was stopped."""
+
+
+class CudaInitializedError(RuntimeError):
+    """CUDA is already initialised in the caller, so forked ranks cannot use it."""
+
+
+def describe_exit(exit_code: int | None) -> str:
+    """'exit code 3', 'killed by SIGKILL' (negative codes are signals, as subprocess reports)."""
+    if exit_code is None:
+        return "still running"
+    if exit_code < 0:
+        try:
+            return f"killed by {signal.Signals(-exit_code).name}"
+        except ValueError:
+            return f"killed by signal {-exit_code}"
+    return f"exit code {exit_code}"
+
+
+# ---------------------------------------------------------------------------------------------
+# CUDA must not be initialised before forking
+
+
+_cuda_init_site: str | None = None
+
+
+def watch_cuda_init() -> None:
+    """Remember where CUDA gets initialised in this process, so a refusal can name the call.
+
+    Wraps ``torch.cuda._lazy_init`` (C++ paths such as ``tensor.cuda()`` call it too). Does nothing
+    until torch is imported; cheap, and safe to call more than once.
+    """
+    cuda = sys.modules.get("torch.cuda")
+    if cuda is None or getattr(cuda._lazy_init, "_helpers_watch", False):
+        return
+    original = cuda._lazy_init
+
+    def _lazy_init_watched() -> None:
+        global _cuda_init_site
+        if _cuda_init_site is None and not cuda.is_initialized():
+            _cuda_init_site = _user_frame(traceback.extract_stack()[:-1])
+        original()
+
+    _lazy_init_watched._helpers_watch = True  # type: ignore[attr-defined]
+    cuda._lazy_init = _lazy_init_watched
+
+
+class _CudaImportHook:
+    """Calls ``watch_cuda_init`` right after ``torch.cuda`` is imported, then removes itself."""
+
+    def find_spec(self, name: str, path: Any, target: Any = None) -> Any:
+        if name != "torch.cuda":
+            return None
+        sys.meta_path.remove(self)
+        spec = importlib.util.find_spec(name)
+        if spec is None or spec.loader is None:
+            return spec
+        execute = spec.loader.exec_module
+
+        def exec_then_watch(module: Any) -> None:
+            execute(module)
+            watch_cuda_init()
+
+        spec.loader.exec_module = exec_then_watch  # type: ignore[method-assign]
+        return spec
+
+
+def install_cuda_watch() -> None:
+    """Watch CUDA initialisation now if torch is loaded, else as soon as torch.cuda is imported."""
+    if "torch.cuda" in sys.modules:
+        watch_cuda_init()
+    elif not any(isinstance(finder, _CudaImportHook) for finder in sys.meta_path):
+        sys.meta_path.insert(0, _CudaImportHook())
+
+
+def _user_frame(frames: Sequence[traceback.FrameSummary]) -> str:
+    for frame in reversed(frames):
+        if "/torch/" not in frame.filename and "/helpers/" not in frame.filename:
+            return f"{frame.filename}:{frame.lineno} ({frame.line or frame.name})"
+    last = frames[-1]
+    return f"{last.filename}:{last.lineno}"
+
+
+def check_cuda_not_initialized() -> None:
+    """Raise CudaInitializedError when CUDA is initialised in this process (forking is unsafe)."""
+    torch = sys.modules.get("torch")
+    if torch is None or not torch.cuda.is_initialized():
+        return
+    where = f" by {_cuda_init_site}" if _cuda_init_site else " (the call could not be traced)"
+    raise CudaInitializedError(
+        f"CUDA was initialised in this process{where}; forked ranks cannot use it. Restart the "
+        "kernel and keep torch.cuda.*, .cuda() and .to('cuda') inside the function you launch."
+    )
+
+
+install_cuda_watch()
+
+
+# ---------------------------------------------------------------------------------------------
+# the run: what a watcher sees
+
+
+@dataclass
+class Run:
+    """A run in progress: its ranks, its folder and its clock. Watchers read it each tick."""
+
+    num_processes: int
+    run_dir: Path
+    started: float
+    deadline: float
+    processes: dict[int, multiprocessing.Process] = field(default_factory=dict)
+    exit_codes: dict[int, int | None] = field(default_factory=dict)
+
+    def live_ranks(self) -> list[int]:
+        """Ranks whose process is still running."""
+        return [rank for rank, proc in self.processes.items() if proc.exitcode is None]
+
+    def stack_file(self, rank: int) -> Path:
+        """Where rank ``rank`` dumps its Python stacks on ``STACK_SIGNAL``."""
+        return self.run_dir / f"stack-{rank}.txt"
+
+    def request_stacks(self) -> dict[int, str]:
+        """Ask every live rank for all its threads' Python stacks; return them by rank."""
+        ranks = self.live_ranks()
+        sizes = {rank: _size(self.stack_file(rank)) for rank in ranks}
+        for rank in ranks:
+            _signal(self.processes[rank].pid, STACK_SIGNAL)
+        _wait_for_growth(self, sizes)
+        return {rank: self.stack_file(rank).read_text(errors="replace")[sizes[rank]:] for rank in ranks}
+
+
+class Watcher(Protocol):
+    """Something that looks at a run each tick (the hang doctor) and may stop it by raising."""
+
+    def poll(self, run: Run) -> None:
+        """Inspect ``run``; raise (a LaunchError subclass) to stop it."""
+
+
+def _size(path: Path) -> int:
+    try:
+        return path.stat().st_size
+    except FileNotFoundError:
+        return 0
+
+
+def _wait_for_growth(run: Run, sizes: dict[int, int]) -> None:
+    """Wait until each signalled rank's stack file grew and stopped growing (faulthandler done)."""
+    end = time.monotonic() + STACK_WAIT_S
+    last = dict(sizes)
+    while time.monotonic() < end:
+        time.sleep(0.05)
+        now = {rank: _size(run.stack_file(rank)) for rank in sizes}
+        done = all(now[r] > sizes[r] and now[r] == last[r] for r in sizes)
+        if done or all(run.processes[r].exitcode is not None for r in sizes):
+            return
+        last = now
+
+
+# ---------------------------------------------------------------------------------------------
+# inside a rank
+
+
+@dataclass
+class _RankSpec:
+    rank: int
+    num_processes: int
+    port: int
+    run_dir: Path
+    parent_pid: int
+    init_group: bool
+    backend: str
+    timeout_s: float
+    env: dict[str, str]
+
+
+def _set_parent_death_signal(parent_pid: int) -> None:
+    """Die with the parent (Linux). If the parent already died, die now."""
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(_PR_SET_PDEATHSIG, int(signal.SIGKILL), 0, 0, 0)
+    except (OSError, AttributeError):
+        return
+    if os.getppid() != parent_pid:
+        os._exit(1)
+
+
+def _install_stack_dump(path: Path):
+    """faulthandler on STACK_SIGNAL, chaining to a handler already installed (never to SIG_DFL)."""
+    handle = open(path, "a", buffering=1)  # noqa: SIM115 - kept open for the rank's lifetime
+    previous = signal.getsignal(STACK_SIGNAL)
+    chain = callable(previous)
+    faulthandler.register(STACK_SIGNAL, file=handle, all_threads=True, chain=chain)
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, {STACK_SIGNAL})
+    return handle
+
+
+def _rank_environment(spec: _RankSpec) -> dict[str, str]:
+    env = {
+        "RANK": str(spec.rank),
+        "LOCAL_RANK": str(spec.rank),
+        "GROUP_RANK": "0",
+        "WORLD_SIZE": str(spec.num_processes),
+        "LOCAL_WORLD_SIZE": str(spec.num_processes),
+        "MASTER_ADDR": "127.0.0.1",
+        "MASTER_PORT": str(spec.port),
+        "TMPDIR": str(spec.run_dir / "tmp"),
+    }
+    if spec.backend == "gloo":
+        env["ACCELERATE_USE_CPU"] = "true"
+    env.setdefault("OMP_NUM_THREADS", os.environ.get("OMP_NUM_THREADS", "1"))
+    env.update(spec.env)
+    return env
+
+
+def _reset_accelerate_state() -> None:
+    """Forget accelerate state inherited from the caller, so ``Accelerator()`` starts fresh."""
+    state = sys.modules.get("accelerate.state")
+    if state is None:
+        return
+    state.AcceleratorState._reset_state(True)
+    state.GradientState._reset_state()
+
+
+def _init_group(spec: _RankSpec) -> None:
+    import datetime
+
+    import torch
+    import torch.distributed as dist
+
+    if spec.backend == "nccl":
+        torch.cuda.set_device(spec.rank)
+    dist.init_process_group(
+        backend=spec.backend,
+        rank=spec.rank,
+        world_size=spec.num_processes,
+        timeout=datetime.timedelta(seconds=spec.timeout_s),
+    )
+    world, rank = dist.get_world_size(), dist.get_rank()
+    if (world, rank) != (spec.num_processes, spec.rank):
+        raise RuntimeError(f"process group mismatch: expected rank {spec.rank} of "
+                           f"{spec.num_processes}, torch.distributed says rank {rank} of {world}")
+
+
+def _rank_main(spec: _RankSpec, fn: Callable[..., Any], args: tuple, kwargs: dict) -> None:
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    _set_parent_death_signal(spec.parent_pid)
+    stack_handle = _install_stack_dump(spec.run_dir / f"stack-{spec.rank}.txt")
+    os.environ.update(_rank_environment(spec))
+    (spec.run_dir / "tmp").mkdir(exist_ok=True)
+    tempfile.tempdir = str(spec.run_dir / "tmp")
+    _reset_accelerate_state()
+    if "torch" in sys.modules:
+        sys.modules["torch"].set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
+    try:
+        if spec.init_group:
+            _init_group(spec)
+        outcome: tuple = ("ok", fn(*args, **kwargs))
+    except BaseException as exc:  # noqa: BLE001 - everything goes back to the caller
+        outcome = ("error", type(exc).__name__, str(exc), traceback.format_exc())
+    _write_outcome(spec.run_dir / f"result-{spec.rank}.pkl", outcome)
+    _destroy_group()
+    stack_handle.close()
+
+
+def _write_outcome(path: Path, outcome: tuple) -> None:
+    try:
+        data = pickle.dumps(outcome)
+    except Exception as exc:  # noqa: BLE001
+        data = pickle.dumps(("error", "PicklingError",
+                             f"the rank's return value cannot be sent back: {exc}", ""))
+    tmp = path.with_suffix(".tmp")
+    tmp.write_bytes(data)
+    os.replace(tmp, path)
+
+
+def _destroy_group() -> None:
+    dist = sys.modules.get("torch.distributed")
+    if dist is not None and dist.is_available() and dist.is_initialized():
+        try:
+            dist.destroy_process_group()
+        except Exception:  # noqa: BLE001 - the rank is ending anyway
+            pass
+
+
+# ---------------------------------------------------------------------------------------------
+# in the caller
+
+
+def free_port() -> int:
+    """A TCP port free on loopback now (so two notebooks never collide on 29500)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def default_backend(num_processes: int) -> str:
+    """'nccl' when this machine has a GPU per rank, else 'gloo'. Never initialises CUDA here.
+
+    The GPU count comes from NVML (pynvml), as ``torch.cuda.device_count`` would initialise the
+    CUDA driver in the caller and break forking.
+    """
+    try:
+        import pynvml
+
+        pynvml.nvmlInit()
+        try:
+            count = pynvml.nvmlDeviceGetCount()
+        finally:
+            pynvml.nvmlShutdown()
+    except Exception:  # noqa: BLE001 - no driver, no library: CPU
+        return "gloo"
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    if visible is not None:
+        count = min(count, len([d for d in visible.split(",") if d.strip()]))
+    return "nccl" if count >= num_processes else "gloo"
+
+
+def launch(
+    fn: Callable[..., Any],
+    args: tuple = (),
+    kwargs: dict | None = None,
+    *,
+    num_processes: int = 2,
+    timeout_s: float = 60.0,
+    init_group: bool = True,
+    backend: str | None = None,
+    env: dict[str, str] | None = None,
+    watchers: Sequence[Watcher] = (),
+    tick_s: float = 0.1,
+) -> list[Any]:
+    """Run ``fn(*args, **kwargs)`` in ``num_processes`` forked ranks; return their values by rank.
+
+    ``init_group=False`` starts the ranks without a process group (for code that creates its own,
+    such as accelerate's ``notebook_launcher`` in a guarded child). ``env`` adds variables inside
+    the ranks. Raises RankError (a rank raised), RankExited (a rank died), LaunchTimeout (past
+    ``timeout_s``; carries every rank's stack), CudaInitializedError (refused before forking), or
+    whatever a watcher raises; in every case nothing is left running.
+    """
+    num_processes = params.check("num_processes", num_processes)
+    timeout_s = params.check("timeout_s", timeout_s)
+    check_cuda_not_initialized()
+    backend = backend or default_backend(num_processes)
+    if init_group:
+        import torch.distributed  # noqa: F401 - imported once here, not once per forked rank
+    run_dir = Path(tempfile.mkdtemp(prefix="helpers-run-"))
+    now = time.monotonic()
+    run = Run(num_processes, run_dir, now, now + timeout_s)
+    try:
+        _start_ranks(run, fn, args, kwargs or {}, init_group, backend, timeout_s, env or {})
+        return _watch(run, watchers, tick_s)
+    finally:
+        stop_ranks(run)
+        shutil.rmtree(run_dir, ignore_errors=True)
+
+
+def _start_ranks(run: Run, fn, args, kwargs, init_group, backend, timeout_s, env) -> None:
+    context = multiprocessing.get_context("fork")
+    port = free_port()
+    old_mask = signal.pthread_sigmask(signal.SIG_BLOCK, {STACK_SIGNAL})
+    try:
+        for rank in range(run.num_processes):
+            spec = _RankSpec(rank, run.num_processes, port, run.run_dir, os.getpid(), init_group,
+                             backend, timeout_s, env)
+            proc = context.Process(target=_rank_main, args=(spec, fn, args, kwargs),
+                                   name=f"helpers-rank-{rank}", daemon=False)
+            proc.start()
+            run.processes[rank] = proc
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, old_mask)
+
+
+def _watch(run: Run, watchers: Sequence[Watcher], tick_s: float) -> list[Any]:
+    """The one watch loop: results, failures, deadline and watchers (the hang doctor)."""
+    results: dict[int, Any] = {}
+    pending = dict(run.processes)
+    while pending:
+        remaining = run.deadline - time.monotonic()
+        if remaining <= 0:
+            stacks = run.request_stacks()
+            raise LaunchTimeout(_timeout_message(run, stacks), stacks)
+        sentinels = {proc.sentinel: rank for rank, proc in pending.items()}
+        ready = multiprocessing.connection.wait(list(sentinels), timeout=min(remaining, tick_s))
+        for sentinel in ready:
+            rank = sentinels[sentinel]
+            proc = pending.pop(rank)
+            proc.join()
+            run.exit_codes[rank] = proc.exitcode
+            results[rank] = _read_outcome(run, rank, proc.exitcode)
+        for watcher in watchers:
+            watcher.poll(run)
+    return [results[rank] for rank in range(run.num_processes)]
+
+
+def _read_outcome(run: Run, rank: int, exit_code: int | None) -> Any:
+    path = run.run_dir / f"result-{rank}.pkl"
+    if not path.exists():
+        raise RankExited(rank, exit_code)
+    outcome = pickle.loads(path.read_bytes())
+    if outcome[0] == "error":
+        raise RankError(rank, *outcome[1:])
+    return outcome[1]
+
+
+def _timeout_message(run: Run, stacks: dict[int, str]) -> str:
+    elapsed = time.monotonic() - run.started
+    limit = run.deadline - run.started
+    lines = [f"the run passed its deadline (timeout_s={limit:g}; {elapsed:.1f} s elapsed); ranks "
+             f"still running: {run.live_ranks()}. Their Python stacks:"]
+    for rank, text in sorted(stacks.items()):
+        lines.append(f"--- rank {rank} ---\n{text.strip() or '(no stack dumped)'}")
+    return "\n".join(lines)
+
+
+def _signal(pid: int, sig: int) -> None:
+    try:
+        os.kill(pid, sig)
+    except ProcessLookupError:
+        pass
+
+
+def stop_ranks(run: Run) -> None:
+    """Stop every rank and its descendants: SIGTERM, then SIGKILL after ``KILL_GRACE_S``."""
+    import psutil
+
+    victims: list[psutil.Process] = []
+    for proc in run.processes.values():
+        if proc.exitcode is None:
+            try:
+                parent = psutil.Process(proc.pid)
+                victims += [parent, *parent.children(recursive=True)]
+            except psutil.NoSuchProcess:
+                pass
+    for victim in victims:
+        _quietly(victim.terminate)
+    _, alive = psutil.wait_procs(victims, timeout=KILL_GRACE_S)
+    for victim in alive:
+        _quietly(victim.kill)
+    psutil.wait_procs(alive, timeout=KILL_GRACE_S)
+    for rank, proc in run.processes.items():
+        proc.join(timeout=KILL_GRACE_S)
+        run.exit_codes.setdefault(rank, proc.exitcode)
+
+
+def _quietly(action: Callable[[], Any]) -> None:
+    import psutil
+
+    try:
+        action()
+    except psutil.NoSuchProcess:
+        pass

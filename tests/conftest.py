@@ -1,0 +1,114 @@
+"""Shared test fixtures: leftover checks (psutil) and running notebooks with papermill."""
+
+from __future__ import annotations
+
+import glob
+import os
+import sys
+import tempfile
+from pathlib import Path
+
+import psutil
+import pytest
+
+REPO = Path(__file__).resolve().parent.parent
+NOTEBOOKS = REPO / "notebooks"
+
+
+def _temp_entries() -> set[str]:
+    patterns = ("helpers-*", "torchelastic_*")
+    root = tempfile.gettempdir()
+    return {p for pattern in patterns for p in glob.glob(os.path.join(root, pattern))}
+
+
+def _listening_ports(pids: set[int]) -> set[tuple[int, int]]:
+    found = set()
+    for conn in psutil.net_connections(kind="tcp"):
+        if conn.pid in pids and conn.status == psutil.CONN_LISTEN:
+            found.add((conn.pid, conn.laddr.port))
+    return found
+
+
+class Leftovers:
+    """Snapshot of children, listening ports and temp entries; ``check()`` asserts none were added."""
+
+    def __init__(self) -> None:
+        self.me = psutil.Process()
+        self.children = {p.pid for p in self.me.children(recursive=True)}
+        self.temp = _temp_entries()
+        self.ports = _listening_ports({self.me.pid})
+
+    def new_children(self) -> list[psutil.Process]:
+        """Children (any depth) that did not exist at the snapshot and are still alive."""
+        alive = []
+        for proc in self.me.children(recursive=True):
+            if proc.pid not in self.children and proc.is_running() and \
+                    proc.status() != psutil.STATUS_ZOMBIE:
+                alive.append(proc)
+        return alive
+
+    def check(self) -> None:
+        """Assert no new child process, listening port of ours, or temp folder remains."""
+        children = self.new_children()
+        assert not children, f"child processes left: {[(p.pid, p.cmdline()) for p in children]}"
+        ports = _listening_ports({self.me.pid}) - self.ports
+        assert not ports, f"listening ports left: {ports}"
+        temp = _temp_entries() - self.temp
+        assert not temp, f"temp entries left: {sorted(temp)}"
+
+
+@pytest.fixture
+def leftovers() -> Leftovers:
+    """Take a snapshot before the test; call ``leftovers.check()`` at its end."""
+    return Leftovers()
+
+
+def run_notebook(name: str, out_dir: Path, parameters: dict | None = None, timeout: int = 300,
+                 env: dict[str, str] | None = None) -> dict:
+    """Execute notebooks/<name> with papermill into ``out_dir``; return the executed notebook.
+
+    Raises papermill.PapermillExecutionError when a cell fails. ``env`` sets variables in the
+    kernel (the kernel inherits this process's environment).
+    """
+    import nbformat
+    import papermill
+
+    old = {k: os.environ.get(k) for k in (env or {})}
+    os.environ.update(env or {})
+    try:
+        output = out_dir / name
+        papermill.execute_notebook(
+            str(NOTEBOOKS / name), str(output), parameters=parameters or {},
+            kernel_name="python3", cwd=str(out_dir), progress_bar=False,
+            execution_timeout=timeout, log_output=False,
+        )
+        return nbformat.read(str(output), as_version=4)
+    finally:
+        for key, value in old.items():
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value
+
+
+def notebook_text_outputs(nb: dict) -> str:
+    """All text a notebook's cells produced (stream, plain text, HTML, errors), joined."""
+    parts = []
+    for cell in nb["cells"]:
+        for out in cell.get("outputs", []):
+            text = out.get("text", "")
+            parts.append(text if isinstance(text, str) else "".join(text))
+            for key in ("text/plain", "text/html"):
+                data = out.get("data", {}).get(key)
+                if data:
+                    parts.append(data if isinstance(data, str) else "".join(data))
+            if out.get("output_type") == "error":
+                parts.append(out.get("ename", "") + ": " + out.get("evalue", ""))
+    return "\n".join(parts)
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _kernel_uses_this_python() -> None:
+    """papermill's 'python3' kernel must be this venv's Python (the package is installed there)."""
+    os.environ.setdefault("PYDEVD_DISABLE_FILE_VALIDATION", "1")
+    assert Path(sys.executable).exists()
