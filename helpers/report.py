@@ -109,3 +109,24 @@ class ResultMixin:
         if path:
             atomic_write_text(path, text)
         return text
+
+
+KNOWN_NOISE = (
+    # accelerate on CPU ranks: it sets the thread count itself and says so once per rank
+    r"OMP_NUM_THREADS/MKL_NUM_THREADS unset",
+    # torch deprecations that say nothing about the user's problem
+    r".*TypedStorage is deprecated",
+    r".*`torch.distributed._all_gather_base` is a private function",
+    r".*`torch.distributed._reduce_scatter_base` is a private function",
+    # Python 3.12+: forking a kernel with threads; helpers.launch forks on purpose, as
+    # accelerate's notebook_launcher does, and resets what matters in each rank
+    r".*use of fork\(\) may lead to deadlocks",
+)
+
+
+def quiet_known_warnings() -> None:
+    """Filter warning noise that says nothing about the user's problem (listed in KNOWN_NOISE)."""
+    import warnings
+
+    for pattern in KNOWN_NOISE:
+        warnings.filterwarnings("ignore", message=pattern)
