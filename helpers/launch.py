@@ -29,6 +29,7 @@ import pickle
 import shutil
 import signal
 import socket
+import subprocess
 import sys
 import tempfile
 import time
@@ -43,6 +44,7 @@ from helpers import params
 STACK_SIGNAL = signal.SIGUSR1
 KILL_GRACE_S = 2.0
 STACK_WAIT_S = 2.0
+PG_TIMEOUT_MARGIN_S = 30.0
 _PR_SET_PDEATHSIG = 1
 
 
@@ -310,7 +312,8 @@ def _init_group(spec: _RankSpec) -> None:
         backend=spec.backend,
         rank=spec.rank,
         world_size=spec.num_processes,
-        timeout=datetime.timedelta(seconds=spec.timeout_s),
+        # past the launcher's deadline, so the launcher stops a hang (with stacks) first
+        timeout=datetime.timedelta(seconds=spec.timeout_s + PG_TIMEOUT_MARGIN_S),
     )
     world, rank = dist.get_world_size(), dist.get_rank()
     if (world, rank) != (spec.num_processes, spec.rank):
@@ -322,6 +325,7 @@ def _rank_main(spec: _RankSpec, fn: Callable[..., Any], args: tuple, kwargs: dic
     signal.signal(signal.SIGINT, signal.SIG_DFL)
     signal.signal(signal.SIGTERM, signal.SIG_DFL)
     _set_parent_death_signal(spec.parent_pid)
+    (spec.run_dir / f"pid-{os.getpid()}").touch()
     stack_handle = _install_stack_dump(spec.run_dir / f"stack-{spec.rank}.txt")
     os.environ.update(_rank_environment(spec))
     (spec.run_dir / "tmp").mkdir(exist_ok=True)
@@ -423,12 +427,45 @@ def launch(
     run_dir = Path(tempfile.mkdtemp(prefix="helpers-run-"))
     now = time.monotonic()
     run = Run(num_processes, run_dir, now, now + timeout_s)
+    janitor = start_janitor(run_dir)
     try:
         _start_ranks(run, fn, args, kwargs or {}, init_group, backend, timeout_s, env or {})
         return _watch(run, watchers, tick_s)
     finally:
         stop_ranks(run)
         shutil.rmtree(run_dir, ignore_errors=True)
+        stop_janitor(janitor)
+
+
+_JANITOR = """
+import os, shutil, signal, sys
+run_dir = sys.argv[1]
+sys.stdin.buffer.read()  # EOF: the launcher and every rank holding the pipe have ended
+for name in os.listdir(run_dir) if os.path.isdir(run_dir) else []:
+    if name.startswith("pid-"):
+        try:
+            os.kill(int(name[4:]), signal.SIGKILL)
+        except (ProcessLookupError, ValueError):
+            pass
+shutil.rmtree(run_dir, ignore_errors=True)
+"""
+
+
+def start_janitor(run_dir: Path) -> subprocess.Popen:
+    """A tiny process that removes ``run_dir`` (and kills listed ranks) once the launcher is gone.
+
+    It waits for EOF on a pipe whose write end only the launcher (and its forked ranks) hold, so
+    the folder is removed even when the launcher is killed with SIGKILL and cannot clean up.
+    """
+    return subprocess.Popen([sys.executable, "-S", "-c", _JANITOR, str(run_dir)],
+                            stdin=subprocess.PIPE, stdout=subprocess.DEVNULL,
+                            stderr=subprocess.DEVNULL, start_new_session=True)
+
+
+def stop_janitor(janitor: subprocess.Popen) -> None:
+    """Close the janitor's pipe after a normal cleanup and reap it."""
+    janitor.stdin.close()  # type: ignore[union-attr]
+    janitor.wait(timeout=10)
 
 
 def _start_ranks(run: Run, fn, args, kwargs, init_group, backend, timeout_s, env) -> None:

@@ -71,7 +71,6 @@ class Panel:
 
     def click(self) -> Any:
         """Run once with the current values (what the Run button does); return the result."""
-        from IPython.display import display
 
         self.button.disabled = True
         self.status.value = "running..."
@@ -80,7 +79,7 @@ class Panel:
         try:
             with self.output:
                 self.result = self.run_fn(**self.values)
-                (self.show_fn or display)(self.result)
+                (self.show_fn or show)(self.result)
             self.status.value = "done"
         except Exception as exc:  # noqa: BLE001 - shown to the person, never kills the kernel
             self.error = f"{type(exc).__name__}: {exc}"
@@ -95,6 +94,15 @@ class Panel:
         from IPython.display import display
 
         display(self.widget)
+
+
+def show(result: Any) -> None:
+    """Display a result and, when it has one, its plot (the default of every panel)."""
+    from IPython.display import display
+
+    display(result)
+    if hasattr(result, "plot"):
+        display(result.plot())
 
 
 def panel(run: Callable[..., Any], defaults: dict[str, Any], **kwargs: Any) -> Panel:
