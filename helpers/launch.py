@@ -338,7 +338,7 @@ def _rank_main(spec: _RankSpec, fn: Callable[..., Any], args: tuple, kwargs: dic
             _init_group(spec)
         outcome: tuple = ("ok", fn(*args, **kwargs))
     except BaseException as exc:  # noqa: BLE001 - everything goes back to the caller
-        outcome = ("error", type(exc).__name__, str(exc), traceback.format_exc())
+        outcome = ("error", type(exc).__name__, str(exc), traceback.format_exc(), time.time())
     _write_outcome(spec.run_dir / f"result-{spec.rank}.pkl", outcome)
     _destroy_group()
     stack_handle.close()
@@ -349,7 +349,7 @@ def _write_outcome(path: Path, outcome: tuple) -> None:
         data = pickle.dumps(outcome)
     except Exception as exc:  # noqa: BLE001
         data = pickle.dumps(("error", "PicklingError",
-                             f"the rank's return value cannot be sent back: {exc}", ""))
+                             f"the rank's return value cannot be sent back: {exc}", "", time.time()))
     tmp = path.with_suffix(".tmp")
     tmp.write_bytes(data)
     os.replace(tmp, path)
@@ -512,8 +512,24 @@ def _read_outcome(run: Run, rank: int, exit_code: int | None) -> Any:
         raise RankExited(rank, exit_code)
     outcome = pickle.loads(path.read_bytes())
     if outcome[0] == "error":
-        raise RankError(rank, *outcome[1:])
+        raise _first_error(run)
     return outcome[1]
+
+
+def _first_error(run: Run) -> RankError:
+    """The earliest exception among the ranks that reported one: the cause, not its echoes.
+
+    When one rank raises and exits, its peers fail moments later ("Connection closed by peer");
+    their reports may be read first, so the time each exception was raised decides.
+    """
+    errors = []
+    for path in run.run_dir.glob("result-*.pkl"):
+        outcome = pickle.loads(path.read_bytes())
+        if outcome[0] == "error":
+            rank = int(path.stem.split("-")[1])
+            errors.append((outcome[4], rank, outcome[1:4]))
+    _, rank, (exc_type, message, tb) = min(errors)
+    return RankError(rank, exc_type, message, tb)
 
 
 def _timeout_message(run: Run, stacks: dict[int, str]) -> str:

@@ -1,0 +1,259 @@
+"""helpers.launch: results by rank, named failures, deadlines with stacks, nothing left behind.
+
+Ranks are real forked processes with a real gloo group. Each outcome is followed by a psutil check
+that no child process, listening port or temp folder remains.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import psutil
+import pytest
+
+from helpers import launch as launch_module
+from helpers.launch import (
+    CudaInitializedError,
+    LaunchTimeout,
+    RankError,
+    RankExited,
+    launch,
+)
+
+
+def _rank_and_world(offset):
+    import torch
+    import torch.distributed as dist
+
+    value = torch.tensor([dist.get_rank() + offset])
+    dist.all_reduce(value)
+    return {"rank": dist.get_rank(), "world": dist.get_world_size(), "sum": value.item(),
+            "pid": os.getpid(), "env_rank": int(os.environ["RANK"])}
+
+
+def test_results_come_back_ordered_by_rank(leftovers):
+    results = launch(_rank_and_world, (10,), num_processes=3, timeout_s=60)
+    assert [r["rank"] for r in results] == [0, 1, 2]
+    assert [r["env_rank"] for r in results] == [0, 1, 2]
+    assert {r["world"] for r in results} == {3}
+    assert {r["sum"] for r in results} == {0 + 1 + 2 + 30}
+    assert len({r["pid"] for r in results}) == 3
+    leftovers.check()
+
+
+def test_one_rank_is_forked_too(leftovers):
+    [result] = launch(_rank_and_world, (0,), num_processes=1, timeout_s=60)
+    assert result["world"] == 1 and result["pid"] != os.getpid()
+    leftovers.check()
+
+
+def _raise_on_rank_one():
+    import torch.distributed as dist
+
+    if dist.get_rank() == 1:
+        raise ValueError("bad batch on purpose")
+    dist.barrier()  # rank 0 would wait forever for rank 1
+
+
+def test_raising_rank_is_named_with_type_and_traceback(leftovers):
+    started = time.monotonic()
+    with pytest.raises(RankError) as info:
+        launch(_raise_on_rank_one, num_processes=2, timeout_s=60)
+    error = info.value
+    assert (error.rank, error.exc_type) == (1, "ValueError")
+    assert "rank 1 raised ValueError: bad batch on purpose" in str(error)
+    assert "_raise_on_rank_one" in error.traceback
+    assert time.monotonic() - started < 20, "the failure must end the run, not the deadline"
+    leftovers.check()
+
+
+def _hang_on_rank_one():
+    import torch.distributed as dist
+
+    if dist.get_rank() == 1:
+        while True:
+            time.sleep(0.05)  # the user's compute loop that never ends
+    dist.barrier()
+
+
+def test_deadline_stops_a_hang_with_every_rank_stack(leftovers):
+    started = time.monotonic()
+    with pytest.raises(LaunchTimeout) as info:
+        launch(_hang_on_rank_one, num_processes=2, timeout_s=3)
+    elapsed = time.monotonic() - started
+    stacks = info.value.stacks
+    assert set(stacks) == {0, 1}
+    assert "in barrier" in stacks[0] and "_hang_on_rank_one" in stacks[0]
+    assert "_hang_on_rank_one" in stacks[1] and "barrier" not in stacks[1]
+    assert "timeout_s=3" in str(info.value)
+    assert elapsed < 3 + 2 + 2 + 5, f"stopping took {elapsed:.1f} s"
+    leftovers.check()
+
+
+def _kill_myself_on_rank_zero():
+    import torch.distributed as dist
+
+    if dist.get_rank() == 0:
+        os.kill(os.getpid(), signal.SIGKILL)
+    dist.barrier()
+
+
+def test_killed_rank_is_named_with_its_signal(leftovers):
+    with pytest.raises(RankExited) as info:
+        launch(_kill_myself_on_rank_zero, num_processes=2, timeout_s=60)
+    assert info.value.rank == 0 and info.value.exit_code == -signal.SIGKILL
+    assert "rank 0 ended without a result: killed by SIGKILL" in str(info.value)
+    leftovers.check()
+
+
+def test_unpicklable_result_is_an_error_not_a_hang(leftovers):
+    with pytest.raises(RankError, match="cannot be sent back"):
+        launch(lambda: (lambda: None), num_processes=1, init_group=False, timeout_s=30)
+    leftovers.check()
+
+
+def test_bad_parameters_fail_before_any_process_starts(leftovers):
+    before = psutil.Process().children(recursive=True)
+    with pytest.raises(ValueError, match="num_processes must be an integer in 1..64; got 0"):
+        launch(_rank_and_world, (0,), num_processes=0)
+    with pytest.raises(ValueError, match="timeout_s must be a number > 0"):
+        launch(_rank_and_world, (0,), timeout_s=-1)
+    assert psutil.Process().children(recursive=True) == before
+
+
+def test_refuses_to_fork_when_cuda_is_initialised(monkeypatch, leftovers):
+    # This machine has no GPU: is_initialized is the one thing faked, to reach the refusal.
+    import torch
+
+    monkeypatch.setattr(torch.cuda, "is_initialized", lambda: True)
+    monkeypatch.setattr(launch_module, "_cuda_init_site", "notebook.py:12 (model.cuda())")
+    with pytest.raises(CudaInitializedError, match=r"initialised in this process by notebook.py:12"):
+        launch(_rank_and_world, (0,), num_processes=2)
+    leftovers.check()
+
+
+def test_cuda_init_site_names_the_users_line(monkeypatch):
+    import torch
+
+    launch_module.install_cuda_watch()
+    monkeypatch.setattr(launch_module, "_cuda_init_site", None)
+    with pytest.raises((AssertionError, RuntimeError)):  # no CUDA here: the real init fails
+        torch.cuda._lazy_init()
+    assert launch_module._cuda_init_site is not None
+    assert launch_module._cuda_init_site.startswith(f"{__file__}:")
+    assert "torch.cuda._lazy_init()" in launch_module._cuda_init_site
+
+
+def test_busy_default_port_does_not_collide(leftovers):
+    with socket.socket() as blocker:
+        blocker.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            blocker.bind(("127.0.0.1", 29500))
+        except OSError:
+            pass  # already taken by someone else: even better
+        else:
+            blocker.listen()
+        results = launch(_rank_and_world, (0,), num_processes=2, timeout_s=60)
+    assert [r["rank"] for r in results] == [0, 1]
+    leftovers.check()
+
+
+def _flag_handler_and_dump():
+    os.kill(os.getpid(), launch_module.STACK_SIGNAL)  # must neither kill us nor lose the handler
+    return Path(os.environ["FLAG_FILE"]).read_text()
+
+
+def test_stack_signal_chains_to_a_handler_already_installed(tmp_path, leftovers):
+    flag = tmp_path / "flag"
+    flag.write_text("not called")
+    previous = signal.signal(launch_module.STACK_SIGNAL, lambda *_: flag.write_text("called"))
+    try:
+        [seen] = launch(_flag_handler_and_dump, num_processes=1, init_group=False, timeout_s=30,
+                        env={"FLAG_FILE": str(flag)})
+    finally:
+        signal.signal(launch_module.STACK_SIGNAL, previous)
+    assert seen == "called"
+    leftovers.check()
+
+
+def test_stack_signal_without_previous_handler_does_not_kill(leftovers):
+    assert launch(lambda: (os.kill(os.getpid(), launch_module.STACK_SIGNAL), "alive")[1],
+                  num_processes=2, init_group=False, timeout_s=30) == ["alive", "alive"]
+    leftovers.check()
+
+
+# ---------------------------------------------------------------------------------------------
+# the launching process interrupted or killed: run launch in a separate Python
+
+
+_HANGING_LAUNCHER = textwrap.dedent("""
+    import os, sys, time
+    from pathlib import Path
+    from helpers.launch import launch
+
+    def hang(pid_dir):
+        Path(pid_dir, str(os.getpid())).touch()
+        while True:
+            time.sleep(0.05)
+
+    try:
+        launch(hang, (sys.argv[1],), num_processes=2, timeout_s=120, init_group=False)
+    except KeyboardInterrupt:
+        print("KeyboardInterrupt re-raised", flush=True)
+        raise
+""")
+
+
+def _start_hanging_launcher(tmp_path: Path) -> tuple[subprocess.Popen, list[int]]:
+    pid_dir = tmp_path / "pids"
+    pid_dir.mkdir()
+    proc = subprocess.Popen([sys.executable, "-c", _HANGING_LAUNCHER, str(pid_dir)],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 30
+    while len(list(pid_dir.iterdir())) < 2:  # wait for a condition, with a deadline
+        assert time.monotonic() < deadline and proc.poll() is None, proc.stderr.read() if proc.poll() else ""
+        time.sleep(0.05)
+    return proc, [int(p.name) for p in pid_dir.iterdir()]
+
+
+def _run_dirs() -> set[str]:
+    import glob
+    import tempfile
+
+    return set(glob.glob(os.path.join(tempfile.gettempdir(), "helpers-run-*")))
+
+
+def _assert_gone(pids: list[int]) -> None:
+    procs = [psutil.Process(pid) for pid in pids if psutil.pid_exists(pid)]
+    _, alive = psutil.wait_procs(procs, timeout=10)
+    assert not alive, f"ranks left running: {alive}"
+
+
+def test_keyboard_interrupt_stops_ranks_and_is_re_raised(tmp_path, leftovers):
+    proc, pids = _start_hanging_launcher(tmp_path)
+    proc.send_signal(signal.SIGINT)
+    out, err = proc.communicate(timeout=30)
+    assert "KeyboardInterrupt re-raised" in out
+    assert proc.returncode != 0 and "KeyboardInterrupt" in err
+    _assert_gone(pids)
+    leftovers.check()
+
+
+def test_launcher_killed_with_sigkill_leaves_nothing(tmp_path, leftovers):
+    dirs_before = _run_dirs()
+    proc, pids = _start_hanging_launcher(tmp_path)
+    proc.kill()
+    proc.communicate(timeout=30)
+    _assert_gone(pids)  # PR_SET_PDEATHSIG
+    deadline = time.monotonic() + 10
+    while _run_dirs() - dirs_before and time.monotonic() < deadline:  # the janitor's cleanup
+        time.sleep(0.05)
+    assert not _run_dirs() - dirs_before
+    leftovers.check()
