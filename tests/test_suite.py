@@ -1,0 +1,70 @@
+"""helpers.suite (`make report`): executed notebooks, HTML, summary, index, parameter routing."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from helpers import suite
+
+
+def _report(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "helpers", "report", *args], capture_output=True,
+                          text=True, timeout=600)
+
+
+def test_report_writes_everything_and_routes_parameters(tmp_path, leftovers):
+    out = tmp_path / "report"
+    proc = _report("--only", "03", "--out", str(out), "-p", "num_processes", "3", "-p", "max_size_mib", "1")
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "[1/1] 03_smoke_test: ok" in proc.stdout
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["ok"] is True and summary["parameters"] == {"num_processes": 3, "max_size_mib": 1}
+    [run] = summary["notebooks"]
+    assert (run["name"], run["ok"], run["error"]) == ("03_smoke_test", True, None)
+    assert run["seconds"] > 0
+    for name in ("03_smoke_test.ipynb", "03_smoke_test.html", "03_smoke_test.json", "index.html"):
+        assert (out / name).stat().st_size > 0, name
+    assert json.loads((out / "03_smoke_test.json").read_text())["world_size"] == 3
+    assert "03_smoke_test.html" in (out / "index.html").read_text()
+    leftovers.check()
+
+
+def test_failing_notebook_is_named_with_its_cell(tmp_path, leftovers):
+    proc = _report("--only", "03", "--out", str(tmp_path), "-p", "num_processes", "0")
+    assert proc.returncode == 1
+    assert "03_smoke_test: FAILED" in proc.stdout
+    assert "cell" in proc.stdout and "ValueError: num_processes must be" in proc.stdout
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    assert summary["ok"] is False and "ValueError" in summary["notebooks"][0]["error"]
+    leftovers.check()
+
+
+def test_parameter_no_notebook_declares_is_bad_usage(tmp_path):
+    proc = _report("--only", "03", "--out", str(tmp_path), "-p", "num_procs", "2")
+    assert proc.returncode == 2
+    assert "-p num_procs" in proc.stderr and "declares" in proc.stderr
+    assert not (tmp_path / "summary.json").exists()
+
+
+def test_only_must_name_a_notebook():
+    with pytest.raises(ValueError, match="only must name a notebook; got 'nope'"):
+        suite.list_notebooks("nope")
+
+
+def test_parse_value_reads_literals():
+    assert suite.parse_value("3") == 3 and suite.parse_value("True") is True
+    assert suite.parse_value("reports/x") == "reports/x" and suite.parse_value("'two'") == "two"
+
+
+def test_default_folder_is_timestamped_with_a_latest_link(tmp_path, monkeypatch, leftovers):
+    monkeypatch.setattr(suite, "REPORTS_DIR", tmp_path / "reports")
+    result = suite.run_suite(only="03", parameters={"max_size_mib": 1})
+    assert result.ok
+    latest = tmp_path / "reports" / "latest"
+    assert latest.is_symlink() and latest.resolve() == tmp_path / "reports" / result.started
+    assert (latest / "summary.json").exists()
+    leftovers.check()
