@@ -61,6 +61,13 @@ SPECS: dict[str, Spec] = {
     "results_path": Spec("path", "where to write the notebook's result JSON ('' = do not write)"),
     # smoke test (notebook 03)
     "max_size_mib": Spec("int", "largest message in the bandwidth sweep, MiB", 1, 4096),
+    # batch-size explorer (notebook 04)
+    "model": Spec("str", "'mlp', 'conv', 'transformer' or 'path/to/file.py:function'",
+                  empty_ok=False),
+    "memory_budget_mib": Spec("int", "memory one rank may use for training (weights, optimizer, "
+                              "activations), MiB", 16, 1 << 20),
+    "starting_batch_size": Spec("int", "the batch size to try first (the largest wanted)", 1, 1 << 24),
+    "strategy": Spec("choice", "how to search", choices=("search", "accelerate", "both")),
 }
 
 
