@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import glob
 import os
-import sys
+import shutil
 import tempfile
 from pathlib import Path
 
@@ -14,11 +14,17 @@ import pytest
 REPO = Path(__file__).resolve().parent.parent
 NOTEBOOKS = REPO / "notebooks"
 
+# Every process the tests start (ranks, kernels, torchrun agents, their temp folders) uses this
+# session's own temp folder, so a leftover is ours, whatever else runs on the machine.
+SESSION_TMP = Path(tempfile.mkdtemp(prefix="helpers-tests-"))
+os.environ["TMPDIR"] = str(SESSION_TMP)
+tempfile.tempdir = str(SESSION_TMP)
+
 
 def _temp_entries() -> set[str]:
-    patterns = ("helpers-*", "torchelastic_*")
-    root = tempfile.gettempdir()
-    return {p for pattern in patterns for p in glob.glob(os.path.join(root, pattern))}
+    """Everything in the session's temp folder but pytest's own tmp_path tree."""
+    return {p for p in glob.glob(os.path.join(SESSION_TMP, "*"))
+            if not os.path.basename(p).startswith("pytest-of-")}
 
 
 def _listening_ports(pids: set[int]) -> set[tuple[int, int]]:
@@ -108,7 +114,8 @@ def notebook_text_outputs(nb: dict) -> str:
 
 
 @pytest.fixture(scope="session", autouse=True)
-def _kernel_uses_this_python() -> None:
-    """papermill's 'python3' kernel must be this venv's Python (the package is installed there)."""
+def _session_temp_folder():
+    """Remove the session's temp folder at the end (pytest's tmp_path trees live inside it)."""
     os.environ.setdefault("PYDEVD_DISABLE_FILE_VALIDATION", "1")
-    assert Path(sys.executable).exists()
+    yield
+    shutil.rmtree(SESSION_TMP, ignore_errors=True)
