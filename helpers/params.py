@@ -59,6 +59,14 @@ SPECS: dict[str, Spec] = {
     "stall_s": Spec("float", "seconds a rank may wait in one collective before it counts as a hang",
                     0, 3600, low_open=True),
     "results_path": Spec("path", "where to write the notebook's result JSON ('' = do not write)"),
+    # environment audit (notebook 01)
+    "report_dir": Spec("path", "folder for the audit report (audit.json, audit.html)",
+                       empty_ok=False),
+    "compare_with": Spec("path", "another machine's audit report JSON to compare with ('' = none)"),
+    "strict": Spec("bool", "fail when an error-level finding exists"),
+    "anonymize": Spec("bool", "also replace host names, user names and home folders"),
+    "min_severity": Spec("choice", "lowest severity of findings to show",
+                         choices=("info", "warning", "error")),
     # smoke test (notebook 03)
     "max_size_mib": Spec("int", "largest message in the bandwidth sweep, MiB", 1, 4096),
     # batch-size explorer (notebook 04)

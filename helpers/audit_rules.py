@@ -1,0 +1,628 @@
+"""Rules that turn facts into findings. Each rule is a pure function of the facts dict.
+
+A finding has a stable ``code``, a ``severity`` (error | warning | info), a one-line ``title``, the
+``evidence`` from the facts, the ``fix`` and the ``source`` it rests on. Rules read facts through
+``get`` so that facts from another machine (or an older schema) never crash them; a rule that fails
+anyway yields an ``AUDIT_RULE_FAILED`` finding instead of an exception.
+"""
+
+from __future__ import annotations
+
+import re
+from collections import Counter
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+SEVERITIES = ("error", "warning", "info")
+MIB = 1024 * 1024
+SHM_MIN_BYTES = 512 * MIB
+RTX40_MIN_DRIVER = "550.40.07"
+NCCL_P2P_LEVELS = ("LOC", "NVL", "PIX", "PXB", "PHB", "SYS")
+HARD_THROTTLE = ("HwSlowdown", "HwThermalSlowdown", "HwPowerBrakeSlowdown", "SwThermalSlowdown")
+
+SRC_KERNEL = ("accelerate utils/other.py check_os_kernel (warning added for accelerate issue 1929; "
+              "the commit says the cause is unclear)")
+SRC_CUDA_COMPAT = ("NVIDIA CUDA Compatibility guide, 'Minor Version Compatibility' "
+                   "(docs.nvidia.com/deploy/cuda-compatibility)")
+SRC_VISIBLE = ("torch/cuda/__init__.py _parse_visible_devices (mirrors the CUDA driver's parsing); "
+               "NVIDIA CUDA Programming Guide, 'CUDA Environment Variables'")
+SRC_NCCL_ENV = "NCCL User Guide, 'Environment Variables' (docs.nvidia.com/deeplearning/nccl)"
+SRC_NVML = "NVML API reference (docs.nvidia.com/deploy/nvml-api)"
+
+
+@dataclass
+class Finding:
+    """One verdict about the facts."""
+
+    code: str
+    severity: str
+    title: str
+    evidence: str
+    fix: str
+    source: str
+
+
+def get(facts: dict[str, Any], dotted: str, default: Any = None) -> Any:
+    """``facts['a']['b']`` for ``'a.b'``; ``default`` when any step is missing or not a dict."""
+    value: Any = facts
+    for key in dotted.split("."):
+        if not isinstance(value, dict) or key not in value:
+            return default
+        value = value[key]
+    return default if value is None else value
+
+
+def parse_version(text: Any) -> tuple[int, ...] | None:
+    """'550.40.07' -> (550, 40, 7); '12.4' -> (12, 4); None for anything else."""
+    if not isinstance(text, str):
+        return None
+    match = re.match(r"\s*(\d+(?:\.\d+)*)", text)
+    return tuple(int(part) for part in match.group(1).split(".")) if match else None
+
+
+def _gpus(facts: dict[str, Any]) -> list[dict[str, Any]]:
+    return [gpu for gpu in get(facts, "gpus", []) if isinstance(gpu, dict)]
+
+
+# ---------------------------------------------------------------------------------------------
+# CUDA_VISIBLE_DEVICES, parsed as the CUDA driver does (torch mirrors it)
+
+
+@dataclass
+class Visibility:
+    """Which GPUs a CUDA_VISIBLE_DEVICES value leaves visible, and what is wrong with it."""
+
+    indices: list[int]
+    problems: list[str]
+    severity: str | None = None
+
+
+def visible_devices(value: str | None, gpus: list[dict[str, Any]]) -> Visibility:
+    """GPUs visible under ``CUDA_VISIBLE_DEVICES=value`` (None: unset) on a machine with ``gpus``.
+
+    Rules as torch's ``_parse_visible_devices``: entries are read in order; a repeated entry hides
+    every GPU; an entry that is not a valid index (or UUID, when the list starts with UUIDs) ends
+    the list, and entries after it are ignored; an index past the last GPU ends it too.
+    """
+    count = len(gpus)
+    if value is None:
+        return Visibility(list(range(count)), [])
+    entries = [entry.strip() for entry in value.split(",")]
+    if value.strip() == "":
+        return Visibility([], ["CUDA_VISIBLE_DEVICES is set but empty: no GPU is visible"],
+                          "warning" if count else None)
+    uuid_form = entries[0].startswith(("GPU-", "MIG-"))
+    chosen: list[Any] = []
+    for position, entry in enumerate(entries):
+        key = entry if uuid_form else _strtoul(entry)
+        if key in chosen:
+            return Visibility([], [f"{entry!r} appears twice: the driver then shows no GPU at all"],
+                              "error")
+        stop = _entry_problem(entry, key, uuid_form, gpus)
+        if stop:
+            ignored = entries[position + 1:]
+            tail = f"; ignored after it: {','.join(ignored)}" if ignored else ""
+            return Visibility(_resolve(chosen, uuid_form, gpus), [stop + tail], "error")
+        chosen.append(key)
+    return Visibility(_resolve(chosen, uuid_form, gpus), [])
+
+
+def _strtoul(text: str) -> int:
+    match = re.match(r"[+]?\d+", text)
+    return int(match.group(0)) if match else -1
+
+
+def _entry_problem(entry: str, key: Any, uuid_form: bool, gpus: list[dict[str, Any]]) -> str | None:
+    if uuid_form:
+        if not entry.startswith(("GPU-", "MIG-")):
+            return f"{entry!r} mixes an index into a list of UUIDs: the list ends there"
+        if entry.startswith("GPU-") and gpus and not _uuid_matches(entry, gpus):
+            return f"{entry!r} matches no GPU here: the list ends there"
+        return None
+    if key < 0:
+        kind = "a UUID in a list of indices" if entry.startswith(("GPU-", "MIG-")) else "not an index"
+        return f"{entry!r} is {kind}: the list ends there"
+    if gpus and key >= len(gpus):
+        return f"index {key} is out of range (this machine has {len(gpus)} GPUs): the list ends there"
+    return None
+
+
+def _uuid_matches(entry: str, gpus: list[dict[str, Any]]) -> list[int]:
+    return [g["index"] for g in gpus if isinstance(g.get("uuid"), str) and g["uuid"].startswith(entry)]
+
+
+def _resolve(chosen: list[Any], uuid_form: bool, gpus: list[dict[str, Any]]) -> list[int]:
+    if not uuid_form:
+        return [int(k) for k in chosen]
+    found: list[int] = []
+    for entry in chosen:
+        matches = _uuid_matches(entry, gpus)
+        found += matches[:1]
+    return found
+
+
+def visible_gpus(facts: dict[str, Any]) -> list[dict[str, Any]]:
+    """The GPUs that CUDA programs on this machine see, after CUDA_VISIBLE_DEVICES."""
+    gpus = _gpus(facts)
+    by_index = {gpu.get("index"): gpu for gpu in gpus}
+    env = get(facts, "env", {})
+    indices = visible_devices(env.get("CUDA_VISIBLE_DEVICES"), gpus).indices
+    return [by_index[i] for i in indices if i in by_index]
+
+
+# ---------------------------------------------------------------------------------------------
+# the rules
+
+
+def rule_kernel(facts: dict[str, Any]) -> list[Finding]:
+    """KERNEL_BELOW_5_5: accelerate warns below 5.5 because hangs were reported there."""
+    release = get(facts, "os.kernel", "")
+    version = parse_version(release)
+    if get(facts, "os.system") != "Linux" or version is None or version[:3] >= (5, 5, 0):
+        return []
+    gvisor = bool(get(facts, "os.gvisor", False))
+    container = bool(get(facts, "os.container.any", False))
+    where = (" This is gVisor's fixed kernel number, not a real kernel." if gvisor else
+             " In a container this is the host's kernel." if container else "")
+    return [Finding(
+        "KERNEL_BELOW_5_5", "info" if gvisor else "warning",
+        f"Linux kernel {release} is below 5.5, where accelerate warns that processes can hang",
+        f"kernel release {release!r}.{where}",
+        "Hangs were reported on kernels below 5.5; the cause is unknown. If runs hang, try "
+        "NCCL_SHM_DISABLE=1, then NCCL_P2P_DISABLE=1, to narrow it down, and upgrade the (host) "
+        "kernel where you can.",
+        SRC_KERNEL)]
+
+
+def rule_torch_driver(facts: dict[str, Any]) -> list[Finding]:
+    """TORCH_CUDA_DRIVER_MISMATCH: the driver supports an older CUDA than torch was built with."""
+    built, supported = get(facts, "torch.cuda"), get(facts, "driver.cuda")
+    built_v, supported_v = parse_version(built), parse_version(supported)
+    if not built_v or not supported_v or supported_v[:2] >= built_v[:2]:
+        return []
+    evidence = (f"torch {get(facts, 'torch.version', '?')} is built for CUDA {built}; driver "
+                f"{get(facts, 'driver.version', '?')} supports CUDA up to {supported}")
+    if supported_v[0] < built_v[0]:
+        return [Finding(
+            "TORCH_CUDA_DRIVER_MISMATCH", "error",
+            f"The NVIDIA driver is too old for torch's CUDA {built} build",
+            evidence + " (a different major version: CUDA will not initialise)",
+            f"Install a torch build for CUDA {supported_v[0]}.x (pytorch.org, 'Get started', pick "
+            f"the CUDA version) or upgrade the driver to one supporting CUDA {built}.",
+            SRC_CUDA_COMPAT)]
+    return [Finding(
+        "TORCH_CUDA_DRIVER_MISMATCH", "warning",
+        f"The driver supports CUDA {supported}, older than torch's CUDA {built} build",
+        evidence + " (same major version: runs through minor version compatibility, with a "
+        "limited feature set)",
+        "Usually works; if kernels fail to load (PTX errors), upgrade the driver or install a torch "
+        f"build for CUDA {supported} or older.",
+        SRC_CUDA_COMPAT)]
+
+
+def rule_cpu_build(facts: dict[str, Any]) -> list[Finding]:
+    """TORCH_CPU_BUILD_WITH_GPUS: a CPU-only torch on a machine with NVIDIA GPUs."""
+    gpus = _gpus(facts)
+    version = get(facts, "torch.version")
+    if not gpus or not version or get(facts, "torch.cuda") or get(facts, "torch.hip"):
+        return []
+    return [Finding(
+        "TORCH_CPU_BUILD_WITH_GPUS", "error",
+        f"torch {version} is a CPU-only build, but this machine has {len(gpus)} NVIDIA GPU(s)",
+        f"torch.version.cuda is None; NVML lists {len(gpus)} GPU(s), driver "
+        f"{get(facts, 'driver.version', '?')} (CUDA {get(facts, 'driver.cuda', '?')})",
+        "Install a CUDA build of torch that the driver supports (pytorch.org, 'Get started'); "
+        "`pip install torch` from a CPU index or a CPU wheel never uses the GPUs.",
+        "torch.version.cuda; pytorch.org/get-started")]
+
+
+def rule_visible_devices(facts: dict[str, Any]) -> list[Finding]:
+    """CUDA_VISIBLE_DEVICES_INVALID: duplicates, out of range, mixed forms, unknown UUIDs, empty."""
+    value = get(facts, "env", {}).get("CUDA_VISIBLE_DEVICES")
+    if value is None:
+        return []
+    gpus = _gpus(facts)
+    result = visible_devices(value, gpus)
+    if not result.problems or result.severity is None:
+        return []
+    shown = ", ".join(f"GPU{i}" for i in result.indices) or "none"
+    return [Finding(
+        "CUDA_VISIBLE_DEVICES_INVALID", result.severity,
+        f"CUDA_VISIBLE_DEVICES={value!r} does not select what it seems to",
+        f"{'; '.join(result.problems)}. GPUs visible: {shown} (of {len(gpus)})",
+        "Use one form (indices like 0,1 or full UUIDs from `nvidia-smi -L`), each GPU once, only "
+        "GPUs that exist; unset it to see every GPU.",
+        SRC_VISIBLE)]
+
+
+def rule_cuda_initialized(facts: dict[str, Any]) -> list[Finding]:
+    """CUDA_INITIALIZED_BEFORE_LAUNCH: CUDA already initialised where ranks are about to be forked."""
+    if not get(facts, "torch.initialized_here", False):
+        return []
+    site = get(facts, "torch.init_site") or "a call that could not be traced"
+    return [Finding(
+        "CUDA_INITIALIZED_BEFORE_LAUNCH", "error",
+        "CUDA is already initialised in this process: forked ranks (notebook_launcher) will fail",
+        f"torch.cuda.is_initialized() is True here; first initialised by {site}",
+        "Restart the kernel and keep torch.cuda.*, .cuda() and .to('cuda') inside the function you "
+        "launch; nothing may touch CUDA before notebook_launcher forks.",
+        "accelerate launchers.py notebook_launcher (forks); torch: CUDA cannot be re-initialised "
+        "in a forked subprocess")]
+
+
+def rule_mixed_models(facts: dict[str, Any]) -> list[Finding]:
+    """MIXED_GPU_MODELS: more than one GPU model among the visible GPUs."""
+    models = Counter(gpu.get("name") or "?" for gpu in visible_gpus(facts))
+    if len(models) < 2:
+        return []
+    listing = ", ".join(f"{count} x {name}" for name, count in models.most_common())
+    return [Finding(
+        "MIXED_GPU_MODELS", "warning", f"{len(models)} different GPU models are visible",
+        listing,
+        "Data-parallel ranks wait for each other at every gradient all-reduce, so the slowest GPU "
+        "sets the pace and the smallest memory sets the batch size; select one model with "
+        "CUDA_VISIBLE_DEVICES.",
+        "torch DistributedDataParallel docs (synchronous all-reduce in backward)")]
+
+
+def rule_shm(facts: dict[str, Any]) -> list[Finding]:
+    """SHM_TOO_SMALL: /dev/shm below 512 MiB (Docker's default is 64 MB)."""
+    size = get(facts, "os.shm_bytes")
+    if not isinstance(size, int) or size >= SHM_MIN_BYTES:
+        return []
+    return [Finding(
+        "SHM_TOO_SMALL", "warning", f"/dev/shm is {size / MIB:.0f} MiB, below 512 MiB",
+        f"/dev/shm size {size} bytes"
+        + (" (inside a container)" if get(facts, "os.container.any", False) else ""),
+        "NCCL and DataLoader workers use shared memory; start the container with --shm-size=8g "
+        "(or --ipc=host), or remount /dev/shm larger.",
+        "DeepSpeed ds_report (warns under 512 MiB); Docker's default shm size is 64 MB; "
+        "NCCL User Guide, 'Troubleshooting: Docker'")]
+
+
+def rule_nccl_env(facts: dict[str, Any]) -> list[Finding]:
+    """NCCL_ENV_SUSPICIOUS: P2P/IB/SHM disabled, bad NCCL_P2P_LEVEL, missing socket interfaces."""
+    env = get(facts, "env", {})
+    findings = []
+    rtx40_expected = bool(_rtx40_old_driver(facts))
+    if env.get("NCCL_P2P_DISABLE") == "1" and not rtx40_expected:
+        nvlink = any((gpu.get("nvlink") or {}).get("active") for gpu in _gpus(facts))
+        findings.append(_nccl(
+            "warning", "NCCL_P2P_DISABLE=1: GPU-to-GPU transfers go through host memory",
+            "NCCL_P2P_DISABLE=1" + (" on GPUs with active NVLink" if nvlink else ""),
+            "Expect much lower intra-node bandwidth. Unset it unless it works around a hang you "
+            "have confirmed (then say why next to where it is set)."))
+    if env.get("NCCL_IB_DISABLE") == "1" and not rtx40_expected:
+        ib = get(facts, "network.infiniband", [])
+        findings.append(_nccl(
+            "warning" if ib else "info",
+            "NCCL_IB_DISABLE=1: inter-node traffic uses TCP sockets, not InfiniBand/RoCE",
+            f"NCCL_IB_DISABLE=1; InfiniBand devices here: {', '.join(ib) or 'none'}",
+            "Unset it on clusters with InfiniBand/RoCE; keep it only while diagnosing."))
+    if env.get("NCCL_SHM_DISABLE") == "1":
+        findings.append(_nccl(
+            "info", "NCCL_SHM_DISABLE=1: the shared-memory transport is off",
+            "NCCL_SHM_DISABLE=1", "Fine while narrowing down a hang; unset it afterwards."))
+    level = env.get("NCCL_P2P_LEVEL")
+    if level is not None and level.upper() not in NCCL_P2P_LEVELS and not re.fullmatch(r"[0-5]", level):
+        findings.append(_nccl(
+            "warning", f"NCCL_P2P_LEVEL={level!r} is not a level NCCL knows",
+            f"NCCL_P2P_LEVEL={level!r}; accepted: {', '.join(NCCL_P2P_LEVELS)}",
+            "Use one of LOC, NVL, PIX, PXB, PHB, SYS, or unset it and let NCCL choose."))
+    interfaces = get(facts, "network.interfaces", [])
+    for name in ("NCCL_SOCKET_IFNAME", "GLOO_SOCKET_IFNAME"):
+        missing = _missing_interfaces(env.get(name), interfaces)
+        if missing:
+            findings.append(_nccl(
+                "error", f"{name}={env[name]!r} names no interface of this machine",
+                f"{name}={env[name]!r}; interfaces here: {', '.join(interfaces) or 'none'}",
+                f"Set {name} to an interface listed by `ip -br link` (a prefix such as eth matches "
+                "eth0, eth1; '=' means the exact name), or unset it."))
+    return findings
+
+
+def _nccl(severity: str, title: str, evidence: str, fix: str) -> Finding:
+    return Finding("NCCL_ENV_SUSPICIOUS", severity, title, evidence, fix, SRC_NCCL_ENV)
+
+
+def _missing_interfaces(value: str | None, interfaces: list[str]) -> bool:
+    """True when an include-list of interface prefixes matches none of ``interfaces``."""
+    if not value or not interfaces or value.startswith("^"):
+        return False  # unset, unknown interfaces, or an exclude list
+    exact = value.startswith("=")
+    names = [n.strip() for n in value.lstrip("=").split(",") if n.strip()]
+    match = (lambda n, i: n == i) if exact else (lambda n, i: i.startswith(n))
+    return not any(match(n, i) for n in names for i in interfaces)
+
+
+def _rtx40_old_driver(facts: dict[str, Any]) -> list[str]:
+    gpus = visible_gpus(facts)
+    names = [gpu.get("name") or "" for gpu in gpus]
+    driver = parse_version(get(facts, "driver.version"))
+    if len(gpus) < 2 or driver is None or not any("RTX 40" in n for n in names):
+        return []
+    return names if driver < parse_version(RTX40_MIN_DRIVER) else []
+
+
+def rule_rtx40(facts: dict[str, Any]) -> list[Finding]:
+    """RTX40_P2P_DRIVER: RTX 4000-series GPUs with a driver older than 550.40.07."""
+    names = _rtx40_old_driver(facts)
+    if not names:
+        return []
+    env = get(facts, "env", {})
+    both_set = env.get("NCCL_P2P_DISABLE") == "1" and env.get("NCCL_IB_DISABLE") == "1"
+    return [Finding(
+        "RTX40_P2P_DRIVER", "info" if both_set else "warning",
+        f"RTX 4000-series GPUs with driver {get(facts, 'driver.version')} (< {RTX40_MIN_DRIVER}): "
+        "P2P and IB must be disabled",
+        f"{len(names)} x {names[0]}; NCCL_P2P_DISABLE={env.get('NCCL_P2P_DISABLE')!r}, "
+        f"NCCL_IB_DISABLE={env.get('NCCL_IB_DISABLE')!r}",
+        "Upgrade the driver to 550.40.07 or newer. Otherwise `accelerate launch` and "
+        "notebook_launcher set NCCL_P2P_DISABLE=1 and NCCL_IB_DISABLE=1 for you; under plain "
+        "torchrun set both yourself (Accelerator() refuses to start without them).",
+        "accelerate utils/environment.py check_cuda_p2p_ib_support; accelerate state.py")]
+
+
+def rule_accelerate_config(facts: dict[str, Any]) -> list[Finding]:
+    """ACCELERATE_CONFIG_MISMATCH: the accelerate config asks for what this machine lacks."""
+    error = get(facts, "accelerate_config_error")
+    path = get(facts, "accelerate_config_path", "the accelerate config")
+    if error:
+        return [Finding("ACCELERATE_CONFIG_MISMATCH", "warning",
+                        "The accelerate config file cannot be read", f"{path}: {error}",
+                        "Fix or recreate it with `accelerate config`; `accelerate launch` fails "
+                        "on it too.", "accelerate commands/config/config_args.py")]
+    config = get(facts, "accelerate_config")
+    if not isinstance(config, dict) or not _gpus(facts) or config.get("use_cpu"):
+        return []
+    return [Finding("ACCELERATE_CONFIG_MISMATCH", severity, title, f"{path}: {evidence}", fix,
+                    "accelerate commands/config/config_args.py; torch.cuda.is_bf16_supported "
+                    "(compute capability 8.0+)")
+            for severity, title, evidence, fix in _config_problems(config, visible_gpus(facts))]
+
+
+def _config_problems(config: dict[str, Any], gpus: list[dict[str, Any]]) -> list[tuple[str, ...]]:
+    problems = []
+    kind = str(config.get("distributed_type", ""))
+    machines = max(1, _int(config.get("num_machines"), 1))
+    processes = _int(config.get("num_processes"), 1)
+    per_machine = -(-processes // machines)
+    multi = kind in ("MULTI_GPU", "DEEPSPEED", "FSDP", "MEGATRON_LM")
+    if multi and per_machine > len(gpus):
+        problems.append(("error", f"num_processes={processes} needs {per_machine} GPUs per machine; "
+                         f"{len(gpus)} visible", f"distributed_type={kind}, num_processes="
+                         f"{processes}, num_machines={machines}",
+                         "Lower num_processes to the number of visible GPUs (accelerate config, or "
+                         "--num_processes), or make more GPUs visible."))
+    if kind == "MULTI_GPU" and len(gpus) == 1:
+        problems.append(("warning", "distributed_type is MULTI_GPU but one GPU is visible",
+                         "distributed_type=MULTI_GPU with 1 visible GPU",
+                         "Choose 'No distributed training' in `accelerate config` for one GPU."))
+    if str(config.get("mixed_precision", "")).lower() == "bf16":
+        old = [g for g in gpus if (parse_version(g.get("compute_capability")) or (99,)) < (8, 0)]
+        if old:
+            problems.append(("error", "mixed_precision is bf16 but some GPUs have no bf16 support",
+                             ", ".join(f"GPU{g.get('index')} {g.get('name')} (compute "
+                                       f"{g.get('compute_capability')})" for g in old),
+                             "Use mixed_precision: fp16 on GPUs before compute capability 8.0 "
+                             "(V100, T4), or bf16 only on Ampere and newer."))
+    return problems
+
+
+def _int(value: Any, default: int) -> int:
+    try:
+        return int(value)
+    except (TypeError, ValueError):
+        return default
+
+
+def rule_port(facts: dict[str, Any]) -> list[Finding]:
+    """PORT_IN_USE: the rendezvous port (MASTER_PORT or 29500) is taken."""
+    port = get(facts, "network.rendezvous_port", {})
+    if port.get("free") is not False:
+        return []
+    holder = port.get("holder") or "a process this audit cannot see"
+    return [Finding(
+        "PORT_IN_USE", "warning", f"Rendezvous port {port.get('port')} is already in use",
+        f"port {port.get('port')} ({port.get('source')}) is held by {holder}",
+        "Another run (or a stale one) holds it: stop it, or give this run another port "
+        "(accelerate launch --main_process_port, torchrun --master-port, or MASTER_PORT).",
+        "torch distributed run.py (--master-port defaults to 29500)")]
+
+
+def rule_omp(facts: dict[str, Any]) -> list[Finding]:
+    """OMP_THREADS_OVERSUBSCRIBED: OMP_NUM_THREADS x local ranks exceeds the usable CPUs."""
+    env = get(facts, "env", {})
+    value = env.get("OMP_NUM_THREADS")
+    if value is None:
+        return []
+    cpus = _int(get(facts, "cpu_count"), 0)
+    if not value.strip().isdigit() or int(value) < 1:
+        return [Finding("OMP_THREADS_OVERSUBSCRIBED", "warning",
+                        f"OMP_NUM_THREADS={value!r} is not a positive integer",
+                        f"OMP_NUM_THREADS={value!r}", "Set it to a whole number such as 1 or "
+                        "(CPUs / ranks per machine).", "OpenMP specification, OMP_NUM_THREADS")]
+    ranks, why = _local_ranks(facts)
+    threads = int(value)
+    if not cpus or threads * ranks <= cpus:
+        return []
+    return [Finding(
+        "OMP_THREADS_OVERSUBSCRIBED", "warning",
+        f"{ranks} ranks x OMP_NUM_THREADS={threads} = {threads * ranks} threads on {cpus} CPUs",
+        f"OMP_NUM_THREADS={threads}; {ranks} local ranks ({why}); {cpus} usable CPUs",
+        f"Set OMP_NUM_THREADS to at most {max(1, cpus // ranks)} (CPUs / ranks per machine); "
+        "oversubscribed threads make every rank slower and stretch collectives.",
+        "torch distributed run.py (sets OMP_NUM_THREADS=1 for several ranks when unset)")]
+
+
+def _local_ranks(facts: dict[str, Any]) -> tuple[int, str]:
+    env = get(facts, "env", {})
+    if _int(env.get("LOCAL_WORLD_SIZE"), 0) > 0:
+        return int(env["LOCAL_WORLD_SIZE"]), "LOCAL_WORLD_SIZE"
+    config = get(facts, "accelerate_config", {})
+    if isinstance(config, dict) and _int(config.get("num_processes"), 0) > 0:
+        machines = max(1, _int(config.get("num_machines"), 1))
+        return -(-int(config["num_processes"]) // machines), "accelerate config num_processes"
+    visible = len(visible_gpus(facts))
+    return (visible, "one per visible GPU") if visible else (1, "one rank")
+
+
+def rule_pcie(facts: dict[str, Any]) -> list[Finding]:
+    """PCIE_LINK_DEGRADED: a link narrower than its maximum (or slower: maybe idle power saving)."""
+    findings = []
+    for gpu in _gpus(facts):
+        width, gen = gpu.get("pcie_width") or {}, gpu.get("pcie_gen") or {}
+        name = f"GPU{gpu.get('index')} ({gpu.get('name')})"
+        if _below(width):
+            findings.append(Finding(
+                "PCIE_LINK_DEGRADED", "warning",
+                f"{name} runs its PCIe link at x{width['current']} of x{width['max']}",
+                f"PCIe width current x{width['current']}, max x{width['max']}; generation "
+                f"{gen.get('current')} of {gen.get('max')}",
+                "A narrower link cuts host<->GPU and PCIe P2P bandwidth: reseat the card or riser, "
+                "check the slot's wiring and BIOS lane settings.", SRC_NVML
+                + " nvmlDeviceGetCurrPcieLinkWidth"))
+        elif _below(gen):
+            findings.append(Finding(
+                "PCIE_LINK_DEGRADED", "info",
+                f"{name} runs PCIe generation {gen['current']} of {gen['max']}",
+                f"PCIe generation current {gen['current']}, max {gen['max']}",
+                "GPUs lower the link generation when idle to save power; check again under load "
+                "(nvidia-smi -q -d PCIE). If it stays low under load, check slot and BIOS.",
+                "nvidia-smi(1), 'GPU Link Info' (current values may be reduced when the GPU is "
+                "not in use)"))
+    return findings
+
+
+def _below(link: dict[str, Any]) -> bool:
+    current, maximum = link.get("current"), link.get("max")
+    return isinstance(current, int) and isinstance(maximum, int) and 0 < current < maximum
+
+
+def rule_throttle(facts: dict[str, Any]) -> list[Finding]:
+    """GPU_THROTTLED: clocks held down by hardware slowdown, thermal limits or power brake."""
+    findings = []
+    for gpu in _gpus(facts):
+        reasons = [r for r in gpu.get("throttle_reasons") or [] if r in HARD_THROTTLE]
+        if reasons:
+            findings.append(Finding(
+                "GPU_THROTTLED", "warning",
+                f"GPU{gpu.get('index')} ({gpu.get('name')}) is throttled: {', '.join(reasons)}",
+                f"NVML clock event reasons: {', '.join(gpu.get('throttle_reasons'))}",
+                "Check cooling and power (nvidia-smi -q -d PERFORMANCE,TEMPERATURE,POWER); one "
+                "slow GPU stalls every rank at each collective.",
+                SRC_NVML + " nvmlDeviceGetCurrentClocksEventReasons"))
+    return findings
+
+
+def rule_ecc(facts: dict[str, Any]) -> list[Finding]:
+    """ECC_ERRORS: uncorrectable memory errors (since boot: error; ever: warning)."""
+    findings = []
+    for gpu in _gpus(facts):
+        ecc = gpu.get("ecc") or {}
+        volatile = _int(ecc.get("volatile_uncorrected"), 0)
+        aggregate = _int(ecc.get("aggregate_uncorrected"), 0)
+        if not volatile and not aggregate:
+            continue
+        findings.append(Finding(
+            "ECC_ERRORS", "error" if volatile else "warning",
+            f"GPU{gpu.get('index')} ({gpu.get('name')}) has uncorrectable ECC memory errors",
+            f"uncorrected ECC errors: {volatile} since the driver loaded, {aggregate} over the "
+            f"GPU's lifetime; corrected since load: {ecc.get('volatile_corrected')}",
+            "Uncorrectable errors crash or corrupt runs: drain the GPU, check `nvidia-smi -q -d "
+            "ECC,PAGE_RETIREMENT` and dmesg for Xid 48/63/64, reset or replace it.",
+            SRC_NVML + " nvmlDeviceGetTotalEccErrors"))
+    return findings
+
+
+def rule_gpu_errors(facts: dict[str, Any]) -> list[Finding]:
+    """GPU_QUERY_FAILED: NVML could not query a GPU (e.g. 'GPU is lost')."""
+    return [Finding(
+        "GPU_QUERY_FAILED", "error", f"GPU{gpu.get('index')} could not be queried: {gpu['error']}",
+        f"NVML, GPU index {gpu.get('index')}: {gpu['error']}",
+        "A lost GPU fails every job scheduled on it: check dmesg for Xid errors (79: fallen off the "
+        "bus) and have the node drained and the GPU reset or replaced.", SRC_NVML)
+        for gpu in _gpus(facts) if gpu.get("error")]
+
+
+def rule_nvml(facts: dict[str, Any]) -> list[Finding]:
+    """NVML_UNAVAILABLE: NVML could not be used (no driver, no pynvml, driver not loaded)."""
+    error = get(facts, "driver.error")
+    if not error:
+        return []
+    hints = get(facts, "driver.device_nodes", []) or get(facts, "torch.cuda_available", False)
+    missing_module = "not installed" in error
+    if not hints and not missing_module:
+        return []  # a machine without NVIDIA GPUs: NO_GPU says so
+    return [Finding(
+        "NVML_UNAVAILABLE", "warning",
+        "GPU facts unavailable: " + error,
+        f"{error}; /dev/nvidia* nodes: {', '.join(hints) if isinstance(hints, list) and hints else 'none'}",
+        "Install nvidia-ml-py (pip) to read GPU facts." if missing_module else
+        "This machine shows signs of NVIDIA GPUs: check `nvidia-smi`, and that the driver is "
+        "installed and loaded (lsmod | grep nvidia).", SRC_NVML + " nvmlInit")]
+
+
+def rule_no_gpu(facts: dict[str, Any]) -> list[Finding]:
+    """NO_GPU (info): CPU-only; the distributed checks run on gloo."""
+    if _gpus(facts) or get(facts, "torch.cuda_available", False):
+        return []
+    return [Finding(
+        "NO_GPU", "info", "No NVIDIA GPU here: distributed checks run on CPU with gloo",
+        f"NVML: {get(facts, 'driver.error') or 'no GPUs'}; torch.cuda.is_available() = "
+        f"{get(facts, 'torch.cuda_available', False)}",
+        "Nothing to fix for learning and CI: the notebooks reproduce hangs and OOMs on CPU ranks. "
+        "Run this audit on the GPU machines themselves to judge them.",
+        "helpers.launch.default_backend; torch.distributed (gloo runs on CPU)")]
+
+
+def rule_torch_probe(facts: dict[str, Any]) -> list[Finding]:
+    """TORCH_PROBE_FAILED: torch could not be imported (or CUDA hung) in the probe child."""
+    error = get(facts, "torch.probe.error")
+    if not error:
+        return []
+    return [Finding(
+        "TORCH_PROBE_FAILED", "error", "Importing torch (and asking CUDA) failed in a fresh process",
+        error, "Run `python -c 'import torch; print(torch.cuda.is_available())'` to see the full "
+        "error; reinstall torch for this Python, or look for a hung driver (nvidia-smi).",
+        "helpers.audit_facts TORCH_PROBE")]
+
+
+def rule_hostname(facts: dict[str, Any]) -> list[Finding]:
+    """HOSTNAME_UNRESOLVED: this machine's own name does not resolve."""
+    if get(facts, "network.hostname_resolves", True) is not False:
+        return []
+    return [Finding(
+        "HOSTNAME_UNRESOLVED", "warning", "This machine's host name does not resolve",
+        f"getaddrinfo({get(facts, 'network.hostname')!r}): {get(facts, 'network.resolve_error')}",
+        "Multi-node rendezvous advertises host names: add the name to /etc/hosts or DNS, or pass "
+        "IP addresses (MASTER_ADDR, --rdzv-endpoint).",
+        "torch elastic rendezvous docs (c10d endpoint host names)")]
+
+
+RULES: tuple[Callable[[dict[str, Any]], list[Finding]], ...] = (
+    rule_kernel, rule_torch_driver, rule_cpu_build, rule_visible_devices, rule_cuda_initialized,
+    rule_mixed_models, rule_shm, rule_nccl_env, rule_rtx40, rule_accelerate_config, rule_port,
+    rule_omp, rule_pcie, rule_throttle, rule_ecc, rule_gpu_errors, rule_nvml, rule_no_gpu,
+    rule_torch_probe, rule_hostname,
+)
+CODES = ("KERNEL_BELOW_5_5", "TORCH_CUDA_DRIVER_MISMATCH", "TORCH_CPU_BUILD_WITH_GPUS",
+         "CUDA_VISIBLE_DEVICES_INVALID", "CUDA_INITIALIZED_BEFORE_LAUNCH", "MIXED_GPU_MODELS",
+         "SHM_TOO_SMALL", "NCCL_ENV_SUSPICIOUS", "RTX40_P2P_DRIVER", "ACCELERATE_CONFIG_MISMATCH",
+         "PORT_IN_USE", "OMP_THREADS_OVERSUBSCRIBED", "PCIE_LINK_DEGRADED", "GPU_THROTTLED",
+         "ECC_ERRORS", "GPU_QUERY_FAILED", "NVML_UNAVAILABLE", "NO_GPU", "TORCH_PROBE_FAILED",
+         "HOSTNAME_UNRESOLVED")
+
+
+def evaluate(facts: dict[str, Any]) -> list[Finding]:
+    """Every rule over ``facts``; findings sorted by severity (errors first), then code."""
+    findings: list[Finding] = []
+    for rule in RULES:
+        try:
+            findings += rule(facts)
+        except Exception as exc:  # noqa: BLE001 - odd facts from another machine never crash
+            findings.append(Finding("AUDIT_RULE_FAILED", "warning", f"{rule.__name__} failed",
+                                    f"{type(exc).__name__}: {exc}", "Report this facts file as a "
+                                    "bug of helpers.audit.", "helpers.audit_rules"))
+    return sorted(findings, key=lambda f: (SEVERITIES.index(f.severity), f.code, f.title))
