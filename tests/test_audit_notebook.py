@@ -1,0 +1,72 @@
+"""Notebook 01 run headless with papermill: parameters, errors, secrets, comparison, strict."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import papermill
+import pytest
+from conftest import notebook_text_outputs, run_notebook
+
+from helpers import redact
+
+FIXTURES = Path(__file__).parent / "fixtures" / "audit"
+sys.path.insert(0, str(FIXTURES))
+from secret_env import NOT_COLLECTED, SECRET_ENV, leaks  # noqa: E402
+
+NOTEBOOK = "01_environment_audit.ipynb"
+
+
+def test_secret_bearing_environment_and_parameter(tmp_path):
+    """20+ secrets in the kernel's environment and one passed as a parameter: the outputs never
+    show them, and after scrub_notebook the whole executed file is clean (injected cell, metadata)."""
+    results = tmp_path / "results.json"
+    nb = run_notebook(NOTEBOOK, tmp_path, {"report_dir": str(tmp_path / "audit"),
+                                           "results_path": str(results),
+                                           "hf_token": SECRET_ENV["HF_TOKEN"]},
+                      env=SECRET_ENV, timeout=120)
+    outputs = notebook_text_outputs(nb)
+    assert leaks(outputs) == []
+    assert "NO_GPU" in outputs and "<th>severity</th>" in outputs
+    assert "No comparison" in outputs and "No GPU topology" in outputs
+    assert not [name for name in NOT_COLLECTED if name in outputs]
+    for written in (tmp_path / "audit" / "audit.json", tmp_path / "audit" / "audit.html", results):
+        assert leaks(written.read_text()) == [], written
+    result = json.loads(results.read_text())
+    assert result["codes"] == ["NO_GPU"] and result["counts"]["error"] == 0
+    executed = tmp_path / NOTEBOOK
+    assert SECRET_ENV["HF_TOKEN"] in executed.read_text()  # papermill recorded the parameter
+    assert redact.scrub_notebook(executed) > 0
+    assert leaks(executed.read_text()) == []
+
+
+def test_bad_compare_with_stops_at_validation(tmp_path):
+    with pytest.raises(papermill.PapermillExecutionError) as failure:
+        run_notebook(NOTEBOOK, tmp_path, {"report_dir": str(tmp_path / "audit"),
+                                          "compare_with": str(tmp_path / "missing.json")}, timeout=120)
+    assert failure.value.ename == "ValueError"
+    assert "compare_with" in failure.value.evalue and "no such file" in failure.value.evalue
+    assert not (tmp_path / "audit").exists()  # nothing ran
+
+
+def test_compare_anonymize_and_strict(tmp_path):
+    """Compared with a GPU node's facts; anonymised; strict fails on an error-level finding
+    (a CUDA_VISIBLE_DEVICES with a repeated entry), after the report was written and shown."""
+    with pytest.raises(papermill.PapermillExecutionError) as failure:
+        run_notebook(NOTEBOOK, tmp_path, {"report_dir": str(tmp_path / "audit"),
+                                          "compare_with": str(FIXTURES / "healthy_8gpu.json"),
+                                          "anonymize": True, "strict": True},
+                     env={"CUDA_VISIBLE_DEVICES": "0,0"}, timeout=120)
+    assert failure.value.ename == "AssertionError"
+    assert "CUDA_VISIBLE_DEVICES_INVALID" in failure.value.evalue
+    import nbformat
+
+    nb = nbformat.read(str(tmp_path / NOTEBOOK), as_version=4)
+    outputs = notebook_text_outputs(nb)
+    assert "Relevant facts are <b>different</b>" in outputs
+    assert "healthy_8gpu" in outputs and "gpus.models" in outputs
+    report = json.loads((tmp_path / "audit" / "audit.json").read_text())
+    assert report["facts"]["hostname"] == "<host>"
+    assert report["findings"][0]["code"] == "CUDA_VISIBLE_DEVICES_INVALID"
