@@ -1,0 +1,1256 @@
+"""Static check of training scripts and notebooks for collective-divergence bugs.
+
+``python -m helpers lint PATH... [--json PATH]`` reads Python files and notebooks (their code cells)
+with :mod:`ast` and never runs them, so it imports neither torch nor accelerate. Every rank of a
+distributed job must issue the same collectives in the same order; each rule below finds one way a
+script breaks that, before it hangs on a cluster:
+
+- ``MAIN_ONLY_COLLECTIVE``: a collective inside a branch that only some ranks take;
+- ``ONE_SIDED_BARRIER``: a barrier in one branch of a rank-dependent if/else but not the other;
+- ``DIVERGENT_BREAK``: ``break``/``return``/``continue`` in a loop that runs collectives, on a value
+  that can differ between ranks (not the result of check_trigger, gather, reduce or broadcast);
+- ``NONEXISTENT_API``: misremembered accelerate names such as ``set_breakpoint``;
+- ``CUDA_BEFORE_LAUNCH``: CUDA (or an ``Accelerator``) touched at top level before
+  ``notebook_launcher``, which forks.
+
+The checks are heuristics over one file at a time (a notebook's cells count as one file, run in
+order): a function defined in another module is not followed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ast
+import builtins
+import difflib
+import functools
+import html
+import importlib.util
+import json
+import re
+import sys
+from collections.abc import Iterable, Iterator, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from helpers import report
+
+NB_REPRO = "notebook 02_minimal_repro_builder"
+NB_LAUNCH = "notebook 03_smoke_test"
+NB_EARLY_STOP = "notebook 05_early_stop_sync"
+
+# code -> the remedy, naming the notebook that teaches it
+RULES: dict[str, str] = {
+    "MAIN_ONLY_COLLECTIVE": (
+        "Call it on every rank, outside the rank-only block, and keep only rank-only work (printing, "
+        f"writing files) inside it. {NB_EARLY_STOP} explains why collectives must match on every rank; "
+        f"{NB_REPRO} builds a runnable repro."
+    ),
+    "ONE_SIDED_BARRIER": (
+        "Put the barrier after the if/else (or in both branches) so that every rank reaches it. "
+        f"{NB_REPRO} builds a runnable repro of this hang."
+    ),
+    "DIVERGENT_BREAK": (
+        "Decide together: the rank that wants to stop calls accelerator.set_trigger(), and every rank "
+        "runs `if accelerator.check_trigger(): break`; or reduce the value first (accelerator.reduce or "
+        f"gather) so that every rank decides on the same number. {NB_EARLY_STOP} shows the hang and this fix."
+    ),
+    "NONEXISTENT_API": (
+        "Use the existing name the message gives (accelerate's API reference lists every Accelerator "
+        f"method); the early-stopping API is set_trigger()/check_trigger() ({NB_EARLY_STOP})."
+    ),
+    "CUDA_BEFORE_LAUNCH": (
+        "Move it inside the function you pass to notebook_launcher, restart the kernel and run again: "
+        "the launcher forks, and the forked ranks cannot use CUDA (or an Accelerator) set up in the "
+        f"notebook process. {NB_LAUNCH} runs notebook_launcher the safe way."
+    ),
+}
+SAVE_FIX = ("To save: every rank calls wait_for_everyone() and get_state_dict()/save_model(), then "
+            "accelerator.save writes the file on the main process only. ")
+TRIGGER_FIX = f"The early-stopping API is set_trigger()/check_trigger(), shown in {NB_EARLY_STOP}."
+
+# --- what counts as a collective ------------------------------------------------------------------
+
+DIST_COLLECTIVES = {
+    name: "is a barrier" if name.endswith("barrier") else "is a torch.distributed collective"
+    for name in ("all_reduce", "all_gather", "all_gather_into_tensor", "all_gather_object", "all_to_all",
+                 "all_to_all_single", "barrier", "monitored_barrier", "broadcast", "broadcast_object_list",
+                 "gather", "gather_object", "reduce", "reduce_scatter", "reduce_scatter_tensor", "scatter",
+                 "scatter_object_list", "new_group")
+}
+# accelerate.utils functions and Accelerator methods (accelerate/utils/operations.py, accelerator.py)
+ACCELERATE_UTIL_COLLECTIVES = {
+    "gather": "all-gathers a tensor from every rank",
+    "gather_object": "all-gathers a Python object from every rank",
+    "reduce": "all-reduces a tensor over every rank",
+    "broadcast": "broadcasts a tensor to every rank",
+    "broadcast_object_list": "broadcasts objects to every rank",
+    "pad_across_processes": "first all-gathers every rank's tensor size",
+    "wait_for_everyone": "is a barrier (torch.distributed.barrier)",
+}
+ACCELERATOR_COLLECTIVES = {
+    "gather": "all-gathers a tensor from every rank",
+    "gather_for_metrics": "all-gathers a tensor from every rank",
+    "reduce": "all-reduces a tensor over every rank",
+    "pad_across_processes": "first all-gathers every rank's tensor size",
+    "wait_for_everyone": "is a barrier (torch.distributed.barrier)",
+    "check_trigger": "all-reduces the trigger flag over every rank",
+    "get_state_dict": "gathers the full state dict from every rank under FSDP and DeepSpeed ZeRO-3",
+    "save_model": "calls get_state_dict, which gathers from every rank under FSDP and DeepSpeed ZeRO-3",
+    "save_state": "waits for every rank (automatic checkpoint naming) and gathers state under FSDP/DeepSpeed",
+    "backward": "runs the gradient all-reduce under DDP",
+    "main_process_first": "holds a barrier (wait_for_everyone) before and after its block",
+    "local_main_process_first": "holds a barrier (wait_for_everyone) before and after its block",
+}
+# method names too generic to count unless the receiver is an Accelerator
+_NEEDS_ACCELERATOR = {"gather", "reduce", "backward", "get_state_dict", "save_model", "save_state"}
+BARRIERS = {"accelerate.wait_for_everyone", "torch.distributed.barrier",
+            "torch.distributed.monitored_barrier"}  # one op for matching branches: "barrier"
+# calls whose result is the same on every rank
+SYNCED_METHODS = {"gather", "gather_for_metrics", "reduce", "check_trigger"}
+SYNCED_UTILS = {"gather", "gather_object", "reduce", "broadcast"}
+# in-place synchronisers: after `dist.all_reduce(t)` every rank holds the same `t`
+INPLACE_SYNC = {"all_reduce", "broadcast", "all_gather", "all_gather_object", "all_gather_into_tensor",
+                "broadcast_object_list"}
+
+# --- what differs between ranks -------------------------------------------------------------------
+
+RANK_ATTRS = {"is_main_process", "is_local_main_process", "is_last_process", "process_index",
+              "local_process_index", "rank", "local_rank", "global_rank", "node_rank"}
+RANK_NAMES = RANK_ATTRS | {"is_main", "is_master", "world_rank"}
+RANK_CALLS = {"get_rank", "get_local_rank", "get_global_rank", "get_group_rank", "get_node_local_rank",
+              "get_ordinal", "get_local_ordinal"}
+RANK_ENV = {"RANK", "LOCAL_RANK", "NODE_RANK", "GROUP_RANK", "SLURM_PROCID", "SLURM_LOCALID",
+            "OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_LOCAL_RANK", "PMI_RANK"}
+VARYING_CALLS = {"time.time", "time.time_ns", "time.perf_counter", "time.perf_counter_ns", "time.monotonic",
+                 "time.process_time", "os.getpid", "socket.gethostname", "next", "torch.rand", "torch.randn",
+                 "torch.randint", "torch.randperm", "torch.rand_like", "torch.randn_like", "torch.normal",
+                 "torch.bernoulli", "torch.multinomial", "torch.cuda.memory_allocated",
+                 "torch.cuda.max_memory_allocated", "torch.cuda.memory_reserved", "torch.cuda.mem_get_info"}
+VARYING_PREFIXES = ("random.", "numpy.random.", "psutil.")
+# names of iterables of per-rank data, and of per-rank values
+DATA_WORDS = {"loader", "dataloader", "dl", "dataset", "data", "batch", "batches"}
+ITEM_WORDS = {"batch", "inputs", "targets", "labels", "loss", "logits", "outputs", "sample"}
+RANK_DECORATORS = {"on_main_process", "on_local_main_process", "on_last_process", "on_process",
+                   "on_local_process"}
+
+# --- accelerate names people misremember ----------------------------------------------------------
+
+MISREMEMBERED = {
+    "set_breakpoint": "set_trigger",
+    "check_breakpoint": "check_trigger",
+    "all_gather": "gather",
+    "all_reduce": "reduce",
+    "barrier": "wait_for_everyone",
+    "is_main": "is_main_process",
+    "is_master": "is_main_process",
+    "is_master_process": "is_main_process",
+    "is_local_main": "is_local_main_process",
+    "rank": "process_index",
+    "local_rank": "local_process_index",
+    "world_size": "num_processes",
+    "gather_metrics": "gather_for_metrics",
+}
+CUDA_SAFE = {"is_initialized", "device_count", "OutOfMemoryError"}  # do not initialise CUDA
+PYTHON_CELL_MAGICS = {"time", "timeit", "capture", "prun"}
+UNSYNCED = "can differ between ranks (it does not come from check_trigger, gather, reduce or broadcast)"
+
+
+class LintUsageError(ValueError):
+    """Bad input to the lint (a missing file, a syntax error): exit code 2 on the command line."""
+
+
+@dataclass
+class Finding:
+    """One problem: its rule code, where it is (``cell`` is set for notebooks) and what to do."""
+
+    code: str
+    file: str
+    line: int
+    message: str
+    fix: str
+    cell: int | None = None
+
+    @property
+    def where(self) -> str:
+        """``train.py:12`` or ``nb.ipynb, cell 3, line 4``."""
+        if self.cell is None:
+            return f"{self.file}:{self.line}"
+        return f"{self.file}, cell {self.cell}, line {self.line}"
+
+
+@dataclass
+class LintResult(report.ResultMixin):
+    """The findings over the files linted; ``ok`` when there are none."""
+
+    files: list[str] = field(default_factory=list)
+    findings: list[Finding] = field(default_factory=list)
+
+    @property
+    def ok(self) -> bool:
+        """True when no finding was made."""
+        return not self.findings
+
+    def codes(self) -> list[str]:
+        """The rule codes found, in order of appearance."""
+        return [f.code for f in self.findings]
+
+    def summary(self) -> str:
+        """One line: how many findings in how many files."""
+        files = f"{len(self.files)} file{'s' * (len(self.files) != 1)}"
+        if self.ok:
+            return f"no divergence found in {files}"
+        count = len(self.findings)
+        return f"{count} finding{'s' * (count != 1)} in {files}"
+
+    def text(self) -> str:
+        """The findings as compiler-style lines, for the command line."""
+        lines = [f"{f.where}: {f.code} {f.message}\n    fix: {f.fix}" for f in self.findings]
+        return "\n".join(lines + [self.summary()])
+
+    def _repr_html_(self) -> str:
+        rows = [{"where": f.where, "code": f.code, "message": f.message, "fix": f.fix} for f in self.findings]
+        table = report.html_table(rows, ["where", "code", "message", "fix"]) if rows else ""
+        return f"<p><b>lint:</b> {html.escape(self.summary())}</p>{table}"
+
+
+# --- public entry points ---------------------------------------------------------------------------
+
+
+def lint_paths(paths: str | Path | Sequence[str | Path]) -> LintResult:
+    """Lint Python files, notebooks and folders (their ``*.py`` and ``*.ipynb``, recursively).
+
+    Raises LintUsageError (a ValueError) for a missing path or a file that does not parse.
+    """
+    if isinstance(paths, (str, Path)):
+        paths = [paths]
+    if not paths:
+        raise LintUsageError("paths: give at least one Python file, notebook or folder")
+    result = LintResult()
+    for path in _expand(paths):
+        result.files.append(str(path))
+        result.findings += _lint_file(path)
+    return result
+
+
+def lint_source(source: str, filename: str = "<source>", notebook: bool = False) -> LintResult:
+    """Lint Python source text (or a notebook's JSON text with ``notebook=True``)."""
+    parsed = _read_notebook(source, filename) if notebook else _read_python(source, filename)
+    return LintResult(files=[filename], findings=_Module(parsed).findings())
+
+
+def cli_main(argv: Sequence[str]) -> int:
+    """``python -m helpers lint PATH... [--json PATH]``: exit 0 clean, 1 findings, 2 bad usage."""
+    parser = argparse.ArgumentParser(
+        prog="python -m helpers lint",
+        description="Static check of training scripts and notebooks for collective divergence "
+                    "(nothing is run). Exit 0: clean, 1: findings, 2: bad usage.")
+    parser.add_argument("paths", nargs="+", metavar="PATH", help="Python files, notebooks or folders")
+    parser.add_argument("--json", metavar="PATH", help='write {"findings": [...]} to this file')
+    try:
+        args = parser.parse_args(list(argv))
+    except SystemExit as exc:  # argparse exits 2 on bad usage, 0 on --help
+        return int(exc.code or 0)
+    try:
+        result = lint_paths(args.paths)
+    except LintUsageError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    print(result.text())
+    if args.json:
+        result.to_json(args.json)
+    return 0 if result.ok else 1
+
+
+# --- reading files ---------------------------------------------------------------------------------
+
+
+@dataclass
+class _Parsed:
+    """A parsed file; a notebook's code cells are joined into one module, line numbers offset."""
+
+    file: str
+    tree: ast.Module
+    cells: list[tuple[int, int]] | None = None  # (first joined line, cell number) per code cell
+
+    def locate(self, lineno: int) -> tuple[int | None, int]:
+        """(cell, line in cell) of a joined line number; cell is None outside notebooks."""
+        if self.cells is None:
+            return None, lineno
+        first, number = max((c for c in self.cells if c[0] <= lineno), default=self.cells[0])
+        return number, lineno - first + 1
+
+    def where(self, lineno: int) -> str:
+        """``line 12`` or ``cell 3, line 4``, for messages."""
+        cell, line = self.locate(lineno)
+        return f"line {line}" if cell is None else f"cell {cell}, line {line}"
+
+
+def _expand(paths: Iterable[str | Path]) -> Iterator[Path]:
+    for item in paths:
+        path = Path(item)
+        if path.is_dir():
+            found = sorted(p for p in path.rglob("*") if p.suffix in (".py", ".ipynb") and p.is_file()
+                           and not any(part.startswith(".") or part == "__pycache__"
+                                       for part in p.relative_to(path).parts))
+            if not found:
+                raise LintUsageError(f"paths: no .py or .ipynb file under folder '{item}'")
+            yield from found
+        elif path.is_file():
+            yield path
+        else:
+            raise LintUsageError(f"paths: '{item}' does not exist")
+
+
+def _lint_file(path: Path) -> list[Finding]:
+    try:
+        text = path.read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as exc:
+        raise LintUsageError(f"paths: cannot read '{path}': {exc}") from None
+    if path.suffix == ".ipynb":
+        parsed = _read_notebook(text, str(path))
+    else:
+        parsed = _read_python(text, str(path))
+    return _Module(parsed).findings()
+
+
+def _read_python(text: str, file: str) -> _Parsed:
+    try:
+        return _Parsed(file, ast.parse(text, filename=file))
+    except SyntaxError as exc:
+        raise LintUsageError(f"{file}:{exc.lineno}: syntax error: {exc.msg}") from None
+
+
+def _read_notebook(text: str, file: str) -> _Parsed:
+    try:
+        cells = json.loads(text)["cells"]
+    except (ValueError, KeyError, TypeError) as exc:
+        raise LintUsageError(f"{file}: not a Jupyter notebook (nbformat 4 JSON): {exc}") from None
+    body: list[ast.stmt] = []
+    starts: list[tuple[int, int]] = []
+    offset = 0
+    for number, cell in enumerate(cells, start=1):
+        if cell.get("cell_type") != "code":
+            continue
+        source = cell.get("source", "")
+        code = _python_lines("".join(source) if isinstance(source, list) else source)
+        try:
+            tree = ast.parse(code, filename=file)
+        except SyntaxError as exc:
+            where = f"{file}, cell {number}, line {exc.lineno}"
+            raise LintUsageError(f"{where}: syntax error: {exc.msg}") from None
+        ast.increment_lineno(tree, offset)
+        body += tree.body
+        starts.append((offset + 1, number))
+        offset += code.count("\n") + 1
+    return _Parsed(file, ast.Module(body=body, type_ignores=[]), starts or [(1, 1)])
+
+
+_MAGIC_LINE = re.compile(r"^(\s*)(%{1,2}[A-Za-z]|!|\?|[\w.]+\?\??\s*$)")  # %magic, !shell, ?x, x?
+_MAGIC_ASSIGN = re.compile(r"^(\s*[\w.]+(?:\s*,\s*[\w.]+)*\s*=\s*)[%!]")  # files = !ls
+
+
+def _python_lines(code: str) -> str:
+    """IPython source -> plain Python with the same line numbers: magics and shell lines become ``pass``."""
+    lines = code.split("\n")
+    first = lines[0].strip()
+    if first.startswith("%%"):
+        if first[2:].split(" ", 1)[0] not in PYTHON_CELL_MAGICS:  # %%bash, %%writefile: not run as Python
+            return "\n" * (len(lines) - 1)
+        lines[0] = ""
+    for i, line in enumerate(lines):
+        if _MAGIC_LINE.match(line):
+            lines[i] = _MAGIC_LINE.match(line).group(1) + "pass"
+        elif _MAGIC_ASSIGN.match(line):
+            lines[i] = _MAGIC_ASSIGN.match(line).group(1) + "None"
+    return "\n".join(lines)
+
+
+# --- small AST helpers -----------------------------------------------------------------------------
+
+_SCOPES = (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef, ast.Lambda)
+_BLOCK_OWNERS = (ast.Module, ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef, ast.If, ast.For,
+                 ast.AsyncFor, ast.While, ast.With, ast.AsyncWith, ast.Try, getattr(ast, "TryStar", ast.Try),
+                 ast.ExceptHandler, ast.match_case)
+
+
+def _shallow(nodes: Iterable[ast.AST]) -> Iterator[ast.AST]:
+    """Every node under ``nodes`` that runs in place: not the bodies of nested defs, classes, lambdas.
+
+    Depth first, not in source order (callers sort by position where order matters).
+    """
+    stack = list(nodes)
+    while stack:
+        node = stack.pop()
+        yield node
+        if isinstance(node, _SCOPES):
+            continue
+        for name in node._fields:
+            value = getattr(node, name, None)
+            if isinstance(value, ast.AST):
+                stack.append(value)
+            elif isinstance(value, list):
+                stack.extend(v for v in value if isinstance(v, ast.AST))
+
+
+def _calls(nodes: Iterable[ast.AST]) -> list[ast.Call]:
+    return [n for n in _shallow(nodes) if isinstance(n, ast.Call)]
+
+
+def _dotted(node: ast.AST) -> str | None:
+    """``a.b.c`` for a Name/Attribute chain, else None."""
+    parts = []
+    while isinstance(node, ast.Attribute):
+        parts.append(node.attr)
+        node = node.value
+    if isinstance(node, ast.Name):
+        return ".".join([node.id, *reversed(parts)])
+    return None
+
+
+def _text(node: ast.AST, limit: int = 70) -> str:
+    text = ast.unparse(node)
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+def _blocks(nodes: Iterable[ast.AST]) -> Iterator[list[ast.stmt]]:
+    """Every statement list among ``nodes`` (bodies, else branches, handlers, match cases)."""
+    for node in nodes:
+        for name in ("body", "orelse", "finalbody"):
+            block = getattr(node, name, None)
+            if isinstance(block, list) and block and isinstance(block[0], ast.stmt):
+                yield block
+
+
+def _returns(stmts: list[ast.stmt]) -> bool:
+    return bool(stmts) and isinstance(stmts[-1], (ast.Return, ast.Raise))
+
+
+def _words(text: str) -> set[str]:
+    return {w for w in re.split(r"[^a-z0-9]+", text.lower()) if w}
+
+
+def _data_like(node: ast.AST) -> bool:
+    """An iterable that yields each rank its own data (a dataloader, by its name)."""
+    names = (n.id if isinstance(n, ast.Name) else n.attr for n in _shallow([node])
+             if isinstance(n, (ast.Name, ast.Attribute)))
+    words = {word for name in names for word in _words(name)}
+    return bool(words & DATA_WORDS) or any(w.endswith("loader") for w in words)
+
+
+@dataclass(frozen=True)
+class _Op:
+    """A collective call: ``key`` must match across branches, ``text`` is the call as written."""
+
+    key: str
+    text: str
+    why: str
+
+
+@dataclass
+class _Raw:
+    code: str
+    node: ast.AST
+    message: str
+    fix: str = ""
+
+
+@dataclass
+class _Loop:
+    node: ast.For | ast.AsyncFor | ast.While
+    first: tuple[_Op, ast.Call] | None  # the first collective it runs
+
+
+@dataclass
+class _Guard:
+    node: ast.stmt  # the if (match, while) statement
+    test: ast.expr
+    why: str | None  # the rank-varying part of the test, None when every rank agrees
+    depth: int  # enclosing loops when entered
+    for_exits: bool = True  # False for a while loop's own test
+
+
+# --- one file --------------------------------------------------------------------------------------
+
+
+class _Module:
+    """One parsed file: import aliases, Accelerator names, function summaries, and the checks."""
+
+    def __init__(self, parsed: _Parsed):
+        self.parsed = parsed
+        self.tree = parsed.tree
+        self.nodes: dict[type, list[ast.AST]] = {}
+        for node in ast.walk(self.tree):
+            self.nodes.setdefault(type(node), []).append(node)
+        self.aliases = _import_aliases(self.of(ast.Import, ast.ImportFrom))
+        self.functions: dict[str, list[ast.FunctionDef | ast.AsyncFunctionDef]] = {}
+        for node in self.of(ast.FunctionDef, ast.AsyncFunctionDef):
+            self.functions.setdefault(node.name, []).append(node)
+        self.fn_calls = {name: [c for fn in defs if not _rank_decorator(fn) for c in _calls(fn.body)]
+                         for name, defs in self.functions.items()}
+        self._collectives: dict[int, _Op | None] = {}
+        self.accelerators, self.states = self._accelerator_names()
+        self.distributed = self._uses_distributed()
+        self.rank_names = self._rank_names()
+        self.collective_fns = self._summarise(self._direct_collective)
+        self.cuda_fns = self._summarise(self._cuda_touch)
+        self._returns: dict[tuple[str, bool], bool] = {}
+        self._ordered: dict[tuple[int, ...], list[tuple[_Op, ast.Call]]] = {}
+
+    def of(self, *types: type) -> list:
+        """Every node of these types in the file."""
+        return [node for kind in types for node in self.nodes.get(kind, [])]
+
+    # names ----------------------------------------------------------------------------------------
+
+    def canonical(self, node: ast.AST) -> str | None:
+        """The dotted name with import aliases resolved: ``dist.barrier`` -> ``torch.distributed.barrier``."""
+        dotted = _dotted(node)
+        if dotted is None:
+            return None
+        head, _, rest = dotted.partition(".")
+        head = self.aliases.get(head, head)
+        return f"{head}.{rest}" if rest else head
+
+    def is_accelerator(self, node: ast.AST) -> bool:
+        """Whether ``node`` names an Accelerator (or accelerate state) object."""
+        key = _dotted(node)
+        return bool(key) and (key in self.accelerators or key.endswith(".accelerator"))
+
+    def callee(self, call: ast.Call) -> str | None:
+        """The name of a function defined in this file that ``call`` calls, if any."""
+        func = call.func
+        if isinstance(func, ast.Name) and func.id in self.functions and func.id not in self.aliases:
+            return func.id
+        if isinstance(func, ast.Attribute) and isinstance(func.value, ast.Name) \
+                and func.value.id in ("self", "cls") and func.attr in self.functions:
+            return func.attr
+        return None
+
+    def _accelerator_names(self) -> tuple[set[str], set[str]]:
+        """Names of Accelerator objects (``accelerator`` by convention) and of accelerate state objects."""
+        accelerators, states = {"accelerator"}, set()
+        for node in self.of(ast.Assign, ast.AnnAssign):
+            if isinstance(node.value, ast.Call):
+                kind = (self.canonical(node.value.func) or "").rsplit(".", 1)[-1]
+                targets = node.targets if isinstance(node, ast.Assign) else [node.target]
+                if kind == "Accelerator":
+                    accelerators.update(filter(None, map(_dotted, targets)))
+                elif kind in ("PartialState", "AcceleratorState"):
+                    states.update(filter(None, map(_dotted, targets)))
+        return accelerators | states, states
+
+    def _uses_distributed(self) -> bool:
+        """Whether the file uses accelerate, torch.distributed, DDP or DeepSpeed (``.backward()`` syncs)."""
+        modules = ("accelerate", "torch.distributed", "torch.nn.parallel", "deepspeed")
+        if any(name.startswith(modules) for name in self.aliases.values()):
+            return True
+        attrs = {node.attr for node in self.of(ast.Attribute)} | {node.id for node in self.of(ast.Name)}
+        return bool(attrs & {"distributed", "DistributedDataParallel"})
+
+    def _rank_names(self) -> set[str]:
+        """Variables assigned from a rank-dependent value (``is_main = accelerator.is_main_process``)."""
+        names: set[str] = set()
+        assigns = [n for n in self.of(ast.Assign, ast.AnnAssign) if n.value]
+        while True:
+            before = len(names)
+            for node in assigns:
+                if self.rank_source(node.value, names):
+                    targets = node.targets if isinstance(node, ast.Assign) else [node.target]
+                    names.update(t.id for t in targets if isinstance(t, ast.Name))
+            if len(names) == before:
+                return names
+
+    def rank_source(self, expr: ast.AST, extra: set[str] | None = None) -> str | None:
+        """The part of ``expr`` that depends on the rank (as text), or None."""
+        names = extra if extra is not None else self.rank_names
+        for node in _shallow([expr]):
+            if isinstance(node, ast.Attribute) and node.attr in RANK_ATTRS:
+                return _text(node)
+            if isinstance(node, ast.Name) and (node.id in RANK_NAMES or node.id in names):
+                return node.id
+            if isinstance(node, ast.Call) and (self.canonical(node.func) or "").rsplit(".")[-1] in RANK_CALLS:
+                return _text(node)
+            if isinstance(node, ast.Constant) and node.value in RANK_ENV:
+                return f"os.environ[{node.value!r}]"
+        return None
+
+    # collectives ----------------------------------------------------------------------------------
+
+    def collective(self, call: ast.Call) -> _Op | None:
+        """The collective that ``call`` runs (directly or through a function of this file), or None."""
+        if id(call) not in self._collectives:
+            op = self._direct_collective(call)
+            name = self.callee(call) if op is None else None
+            if name in self.collective_fns:
+                inner, line, key = self.collective_fns[name]
+                op = _Op(key, f"{name}()", f"runs `{inner}` ({self.parsed.where(line)}), a collective")
+            self._collectives[id(call)] = op
+        return self._collectives[id(call)]
+
+    def _direct_collective(self, call: ast.Call) -> _Op | None:
+        func = call.func
+        if any(k.arg == "in_order" and isinstance(k.value, ast.Constant) and k.value.value is True
+               for k in call.keywords):
+            return _Op("in_order", _dotted(func) or _text(func),
+                       "with in_order=True logs rank by rank with a barrier per rank (accelerate logging.py)")
+        text = _dotted(func) or _text(func)
+        canon = self.canonical(func) or ""
+        name = canon.rsplit(".", 1)[-1] if canon else getattr(func, "attr", "")
+        if canon.startswith("torch.distributed.") and name in DIST_COLLECTIVES:
+            return _Op(_key(f"torch.distributed.{name}"), text, DIST_COLLECTIVES[name])
+        if canon.startswith("accelerate.") and name in ACCELERATE_UTIL_COLLECTIVES:
+            return _Op(_key(f"accelerate.{name}"), text, ACCELERATE_UTIL_COLLECTIVES[name])
+        if not isinstance(func, ast.Attribute):
+            return None
+        name = func.attr
+        accelerator = self.is_accelerator(func.value)
+        if name in ACCELERATOR_COLLECTIVES and (accelerator or name not in _NEEDS_ACCELERATOR):
+            key = "backward" if name == "backward" else _key(f"accelerate.{name}")
+            return _Op(key, text, ACCELERATOR_COLLECTIVES[name])
+        if name == "backward" and self.distributed:
+            return _Op("backward", text, ACCELERATOR_COLLECTIVES["backward"])
+        return None
+
+    def profile(self, nodes: Iterable[ast.AST]) -> dict[str, list[tuple[_Op, ast.Call]]]:
+        """Collectives under ``nodes`` by key, in source order."""
+        found: dict[str, list[tuple[_Op, ast.Call]]] = {}
+        for call in _calls(nodes):
+            op = self.collective(call)
+            if op is not None:
+                found.setdefault(op.key, []).append((op, call))
+        return found
+
+    def ordered(self, nodes: list[ast.AST]) -> list[tuple[_Op, ast.Call]]:
+        """Collectives under ``nodes`` in source order (cached: loops are walked several times)."""
+        key = tuple(map(id, nodes))
+        if key not in self._ordered:
+            pairs = [pair for pairs in self.profile(nodes).values() for pair in pairs]
+            self._ordered[key] = sorted(pairs, key=lambda p: (p[1].lineno, p[1].col_offset))
+        return self._ordered[key]
+
+    def _summarise(self, direct) -> dict[str, tuple[str, int, str]]:
+        """Function name -> (call text, line, key) of the first ``direct`` hit it reaches, transitively.
+
+        Functions decorated to run on one process only are left out: their collectives are
+        reported inside them.
+        """
+        calls = self.fn_calls
+        found: dict[str, tuple[str, int, str]] = {}
+        for name, fn_calls in calls.items():
+            for call in fn_calls:
+                hit = direct(call)
+                if isinstance(hit, _Op):
+                    found[name] = (hit.text, call.lineno, hit.key)
+                    break
+                if hit:
+                    found[name] = (_text(call), call.lineno, "")
+                    break
+        changed = True
+        while changed:
+            changed = False
+            for name, fn_calls in calls.items():
+                if name in found:
+                    continue
+                hit = next((c for c in map(self.callee, fn_calls) if c in found and c != name), None)
+                if hit:
+                    found[name], changed = found[hit], True
+        return found
+
+    def returns_vary(self, name: str, args_vary: bool) -> bool:
+        """Whether the function ``name`` of this file can return a different value on each rank."""
+        key = (name, args_vary)
+        if key not in self._returns:
+            self._returns[key] = False  # recursion: assume synchronised while computing
+            self._returns[key] = any(_Flow(self, fn, params_vary=args_vary, report=False).returns_vary
+                                     for fn in self.functions[name])
+        return self._returns[key]
+
+    # the checks -----------------------------------------------------------------------------------
+
+    def findings(self) -> list[Finding]:
+        """Every finding of every rule, in source order, one per code and call."""
+        raws: list[_Raw] = []
+        raws += self._check_rank_branches()
+        raws += self._check_rank_decorators()
+        for scope in [self.tree, *(fn for defs in self.functions.values() for fn in defs)]:
+            raws += _Flow(self, scope).raws
+        raws += self._check_api()
+        raws += self._check_launch_order()
+        return self._to_findings(raws)
+
+    def _to_findings(self, raws: list[_Raw]) -> list[Finding]:
+        seen, findings = set(), []
+        for raw in sorted(raws, key=lambda r: (r.node.lineno, r.node.col_offset, r.code)):
+            key = (raw.code, raw.node.lineno, raw.node.col_offset)
+            if key in seen:
+                continue
+            seen.add(key)
+            cell, line = self.parsed.locate(raw.node.lineno)
+            findings.append(Finding(raw.code, self.parsed.file, line, raw.message,
+                                    raw.fix or RULES[raw.code], cell))
+        return findings
+
+    def _check_rank_branches(self) -> Iterator[_Raw]:
+        """MAIN_ONLY_COLLECTIVE and ONE_SIDED_BARRIER: collectives on one side of a rank-dependent if.
+
+        In a function's (or the file's) own body, ``if not main: return`` followed by a collective
+        counts as an if/else; exits from loops are DIVERGENT_BREAK's business.
+        """
+        scope_bodies = {id(self.tree.body)} | {id(fn.body) for defs in self.functions.values() for fn in defs}
+        for block in _blocks(self.of(*_BLOCK_OWNERS)):
+            for index, stmt in enumerate(block):
+                if isinstance(stmt, ast.If) and self.rank_source(stmt.test):
+                    rest = block[index + 1:] if id(block) in scope_bodies else []
+                    yield from self._compare_sides(stmt, rest)
+        for node in self.of(ast.IfExp):
+            if self.rank_source(node.test):
+                yield from self._compare_sides(node, [])
+
+    def _compare_sides(self, node: ast.If | ast.IfExp, rest: list[ast.stmt]) -> Iterator[_Raw]:
+        if isinstance(node, ast.IfExp):
+            taken, other, has_other = [node.body], [node.orelse], True
+        else:
+            taken, other, has_other = list(node.body), list(node.orelse), bool(node.orelse)
+            if _returns(node.body) and not _returns(node.orelse):
+                other, has_other = other + rest, has_other or bool(rest)  # guard clause
+            elif _returns(node.orelse) and not _returns(node.body):
+                taken = taken + rest
+        test, truth = node.test, True
+        if isinstance(test, ast.UnaryOp) and isinstance(test.op, ast.Not):
+            test, truth = test.operand, False
+        sides = [(self.profile(taken), truth), (self.profile(other), not truth)]
+        for (mine, when), (theirs, _) in (sides, sides[::-1]):
+            for key in mine.keys() - theirs.keys():
+                for op, call in mine[key]:
+                    yield self._one_sided(op, call, test, when, node.lineno, has_other)
+
+    def _one_sided(self, op: _Op, call: ast.Call, test: ast.expr, when: bool, line: int,
+                   has_other: bool) -> _Raw:
+        where = f"ranks where `{_text(test)}` is {'true' if when else 'false'} ({self.parsed.where(line)})"
+        if op.key == "barrier" and has_other:
+            return _Raw("ONE_SIDED_BARRIER", call,
+                        f"`{op.text}` {op.why}, reached only on {where}; the other side has no barrier, so "
+                        "those ranks never arrive and the ranks waiting in it hang.")
+        return _Raw("MAIN_ONLY_COLLECTIVE", call,
+                    f"`{op.text}` {op.why}, but it runs only on {where}: the other ranks never call it and "
+                    "the job hangs.", self._main_only_fix(op))
+
+    @staticmethod
+    def _main_only_fix(op: _Op) -> str:
+        saving = op.key in ("accelerate.get_state_dict", "accelerate.save_model", "accelerate.save_state")
+        return (SAVE_FIX if saving else "") + RULES["MAIN_ONLY_COLLECTIVE"]
+
+    def _check_rank_decorators(self) -> Iterator[_Raw]:
+        for defs in self.functions.values():
+            for fn in defs:
+                decorator = _rank_decorator(fn)
+                if decorator is None:
+                    continue
+                for op, call in self.ordered(fn.body):
+                    message = (f"`{op.text}` {op.why}, but `{fn.name}` is decorated with `@{decorator}`, so "
+                               "only that process runs it: the other ranks never call it and the job hangs.")
+                    yield _Raw("MAIN_ONLY_COLLECTIVE", call, message, self._main_only_fix(op))
+
+    def _check_api(self) -> Iterator[_Raw]:
+        """NONEXISTENT_API: attributes of an Accelerator and names of accelerate that do not exist."""
+        api = _accelerate_api()
+        for node in self.of(ast.Attribute, ast.ImportFrom):
+            if isinstance(node, ast.Attribute) and isinstance(node.ctx, ast.Load):
+                if self.is_accelerator(node.value) and _dotted(node.value) not in self.states:
+                    yield from self._check_accelerator_attr(node, api)
+                elif (self.canonical(node.value) or "") in ("accelerate", "accelerate.utils") and api:
+                    yield from self._check_module_name(node, self.canonical(node.value), node.attr, api)
+            elif isinstance(node, ast.ImportFrom) and node.module in ("accelerate", "accelerate.utils") \
+                    and node.level == 0 and api:
+                for alias in node.names:
+                    yield from self._check_module_name(node, node.module, alias.name, api)
+
+    def _check_accelerator_attr(self, node: ast.Attribute, api: _AccelerateApi | None) -> Iterator[_Raw]:
+        attr, text = node.attr, _text(node)
+        version = f"accelerate {api.version}'s Accelerator" if api else "an Accelerator"
+        right = MISREMEMBERED.get(attr)
+        if right is None and api and not attr.startswith("_") and attr not in api.accelerator:
+            right = next(iter(difflib.get_close_matches(attr, sorted(api.accelerator), n=1)), "")
+        elif right is None:
+            return
+        hint = f"; the name is `{right}`." if right else "."
+        yield _Raw("NONEXISTENT_API", node, f"`{text}` does not exist: {version} has no `{attr}`{hint}",
+                   _api_fix(f"{_dotted(node.value)}.{right}" if right else ""))
+
+    def _check_module_name(self, node: ast.AST, module: str, name: str,
+                           api: _AccelerateApi) -> Iterator[_Raw]:
+        names = api.modules[module]
+        if name in names or name == "*":
+            return
+        if name in api.accelerator or name in MISREMEMBERED:
+            right = f"accelerator.{MISREMEMBERED.get(name, name)}"
+            hint = f"; it is an Accelerator method: `{right}`"
+        else:
+            right = next(iter(difflib.get_close_matches(name, sorted(names), n=1)), "")
+            right = right and f"{module}.{right}"
+            hint = f"; did you mean `{right}`?" if right else ""
+        message = f"`{module}.{name}` does not exist in accelerate {api.version}{hint}."
+        yield _Raw("NONEXISTENT_API", node, message, _api_fix(right))
+
+    def _check_launch_order(self) -> Iterator[_Raw]:
+        """CUDA_BEFORE_LAUNCH: top-level code touching CUDA or building an Accelerator before the launcher."""
+        top = list(_shallow(self.tree.body))
+        launches = [n for n in top if isinstance(n, ast.Call)
+                    and (self.canonical(n.func) or "").rsplit(".", 1)[-1] == "notebook_launcher"]
+        if not launches:
+            return
+        last = max(launches, key=lambda n: (n.lineno, n.col_offset))
+        end = (last.end_lineno or last.lineno, last.end_col_offset or 0)
+        devices = self._cuda_device_names(top)
+        for node in top:
+            if not isinstance(node, (ast.Call, ast.Import, ast.ImportFrom)) or node is last \
+                    or (node.lineno, node.col_offset) >= end:
+                continue
+            reason = self._before_launch(node, devices)
+            if reason:
+                where = f"at top level before notebook_launcher ({self.parsed.where(last.lineno)})"
+                yield _Raw("CUDA_BEFORE_LAUNCH", node, f"{reason}, {where}")
+
+    def _before_launch(self, node: ast.AST, devices: set[str]) -> str | None:
+        if isinstance(node, (ast.Import, ast.ImportFrom)):
+            modules = [a.name for a in node.names] if isinstance(node, ast.Import) else [node.module or ""]
+            if any(m.split(".")[0] == "bitsandbytes" for m in modules):
+                return ("bitsandbytes initialises the GPU on import, and notebook_launcher refuses to start "
+                        "once it is imported (accelerate launchers.py)")
+            return None
+        if not isinstance(node, ast.Call):
+            return None
+        touch = self._cuda_touch(node, devices)
+        if touch:
+            return touch
+        canon = self.canonical(node.func) or ""
+        if canon.startswith("accelerate") and canon.endswith(".Accelerator"):
+            return ("an Accelerator created in the notebook process makes notebook_launcher refuse to start "
+                    "('the Accelerator should only be initialized inside your training function', "
+                    "accelerate launchers.py)")
+        name = self.callee(node)
+        if name in self.cuda_fns:
+            inner, line, _ = self.cuda_fns[name]
+            return f"`{name}()` runs `{inner}` ({self.parsed.where(line)}), which touches CUDA"
+        return None
+
+    def _cuda_device_names(self, top: list[ast.AST]) -> set[str]:
+        names: set[str] = set()
+        for node in top:
+            if isinstance(node, ast.Assign) and self._is_cuda_value(node.value, names):
+                names.update(t.id for t in node.targets if isinstance(t, ast.Name))
+        return names
+
+    def _is_cuda_value(self, node: ast.AST, devices: set[str]) -> bool:
+        if isinstance(node, ast.Constant):
+            return isinstance(node.value, str) and node.value.startswith("cuda")
+        if isinstance(node, ast.Name):
+            return node.id in devices
+        if isinstance(node, ast.Call) and self.canonical(node.func) == "torch.device" and node.args:
+            return self._is_cuda_value(node.args[0], devices)
+        return False
+
+    def _cuda_touch(self, call: ast.Call, devices: set[str] | None = None) -> str | None:
+        """How ``call`` initialises CUDA, or None."""
+        devices = devices or set()
+        canon = self.canonical(call.func) or ""
+        method = call.func.attr if isinstance(call.func, ast.Attribute) else ""
+        device = [k.value for k in call.keywords if k.arg == "device"]
+        text = _text(call) if canon.startswith("torch.cuda.") or method in ("cuda", "to") or device else ""
+        if canon.startswith("torch.cuda.") and canon.rsplit(".", 1)[-1] not in CUDA_SAFE:
+            if canon == "torch.cuda.is_available":
+                return (f"`{text}` initialises the CUDA driver (cuInit) unless "
+                        "PYTORCH_NVML_BASED_CUDA_CHECK=1 (torch/cuda/__init__.py)")
+            return f"`{text}` uses torch.cuda"
+        if method == "cuda" and not canon.startswith("torch."):
+            return f"`{text}` moves to the GPU"
+        values = [*(call.args if method == "to" else []), *device]
+        if any(self._is_cuda_value(value, devices) for value in values):
+            return f"`{text}` puts a tensor on the GPU"
+        return None
+
+
+def _key(op: str) -> str:
+    """What must match across branches: the op, with every kind of barrier as one."""
+    return "barrier" if op in BARRIERS else op
+
+
+def _api_fix(right: str) -> str:
+    if not right:
+        return RULES["NONEXISTENT_API"]
+    trigger = "trigger" in right
+    return f"Use `{right}`." + (f" {TRIGGER_FIX}" if trigger else "")
+
+
+def _rank_decorator(fn: ast.FunctionDef | ast.AsyncFunctionDef) -> str | None:
+    for decorator in fn.decorator_list:
+        target = decorator.func if isinstance(decorator, ast.Call) else decorator
+        if isinstance(target, ast.Attribute) and target.attr in RANK_DECORATORS:
+            return _text(decorator)
+    return None
+
+
+def _import_aliases(imports: Iterable[ast.AST]) -> dict[str, str]:
+    """Local name -> what it was imported as: ``dist`` -> ``torch.distributed``."""
+    aliases: dict[str, str] = {}
+    for node in imports:
+        if isinstance(node, ast.Import):
+            for alias in node.names:
+                if alias.asname:
+                    aliases[alias.asname] = alias.name
+                else:
+                    head = alias.name.split(".")[0]
+                    aliases[head] = head
+        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            for alias in node.names:
+                aliases[alias.asname or alias.name] = f"{node.module}.{alias.name}"
+    return aliases
+
+
+# --- values that differ between ranks, and exits that depend on them -----------------------------
+
+
+class _Flow:
+    """Walk one scope in order, tracking which names may hold a different value on each rank.
+
+    Sources: the rank itself, each rank's batches, timers and random numbers, and anything computed
+    from them or assigned under a condition on them. ``x = accelerator.reduce(...)`` (gather,
+    check_trigger, ``dist.all_reduce(x)``...) makes ``x`` the same everywhere again. Exits from a
+    loop that runs collectives, taken on such a value, are DIVERGENT_BREAK findings.
+    """
+
+    def __init__(self, mod: _Module, scope: ast.AST, params_vary: bool = False, report: bool = True):
+        self.mod, self.report = mod, report
+        self.loops: list[_Loop] = []
+        self.guards: list[_Guard] = []
+        self.raws: list[_Raw] = []
+        self.returns_vary = False
+        self.function = scope if isinstance(scope, (ast.FunctionDef, ast.AsyncFunctionDef)) else None
+        state: set[str] = set()
+        if self.function is not None:  # parameters named like a batch or a loss differ between ranks
+            args = self.function.args
+            state = {a.arg for a in [*args.posonlyargs, *args.args, *args.kwonlyargs]
+                     if a.arg not in ("self", "cls") and (params_vary or _words(a.arg) & ITEM_WORDS)}
+        self.block(scope.body, state)
+
+    # expressions ----------------------------------------------------------------------------------
+
+    def why(self, node: ast.AST | None, state: set[str]) -> str | None:
+        """The part of ``node`` that can differ between ranks (as text), or None."""
+        if node is None or isinstance(node, ast.Lambda):
+            return None
+        if isinstance(node, ast.Constant):
+            return f"os.environ[{node.value!r}]" if node.value in RANK_ENV else None
+        if isinstance(node, ast.Name):
+            hit = node.id in state or node.id in RANK_NAMES or node.id in self.mod.rank_names
+            return node.id if hit else None
+        if isinstance(node, ast.Attribute):
+            key = _dotted(node)
+            if (key and key in state) or node.attr in RANK_ATTRS:
+                return key or node.attr
+            return None if self.mod.is_accelerator(node.value) else self.why(node.value, state)
+        if isinstance(node, ast.Call):
+            return self.call_why(node, state)
+        if isinstance(node, (ast.ListComp, ast.SetComp, ast.GeneratorExp, ast.DictComp)):
+            for gen in node.generators:
+                if _data_like(gen.iter) or self.why(gen.iter, state):
+                    return _text(gen.iter)
+        return self.first_why(ast.iter_child_nodes(node), state)
+
+    def first_why(self, nodes: Iterable[ast.AST], state: set[str]) -> str | None:
+        for child in nodes:
+            child = child.value if isinstance(child, ast.keyword) else child
+            if isinstance(child, ast.comprehension):
+                found = self.first_why([child.iter, *child.ifs], state)
+            elif isinstance(child, ast.expr):
+                found = self.why(child, state)
+            else:
+                found = None
+            if found:
+                return found
+        return None
+
+    def call_why(self, call: ast.Call, state: set[str]) -> str | None:
+        canon = self.mod.canonical(call.func) or ""
+        last = canon.rsplit(".", 1)[-1]
+        if self.synced(call):
+            return None
+        if last in RANK_CALLS or canon in VARYING_CALLS or canon.startswith(VARYING_PREFIXES):
+            return _text(call)
+        args = self.first_why([*call.args, *call.keywords], state)
+        name = self.mod.callee(call)
+        if name is not None:
+            return (args or f"{name}()") if self.mod.returns_vary(name, bool(args)) else None
+        return self.why(call.func, state) or args
+
+    def synced(self, call: ast.Call) -> bool:
+        """Whether ``call`` returns the same value on every rank (a gather, reduce, check_trigger...)."""
+        func = call.func
+        if isinstance(func, ast.Attribute) and func.attr in SYNCED_METHODS:
+            return self.mod.is_accelerator(func.value)
+        canon = self.mod.canonical(func) or ""
+        return canon.startswith("accelerate.") and canon.rsplit(".", 1)[-1] in SYNCED_UTILS
+
+    # statements -----------------------------------------------------------------------------------
+
+    def control(self) -> bool:
+        return any(g.why for g in self.guards)
+
+    def block(self, stmts: list[ast.stmt], state: set[str]) -> set[str]:
+        for stmt in stmts:
+            state = self.stmt(stmt, state)
+        return state
+
+    def stmt(self, node: ast.stmt, state: set[str]) -> set[str]:
+        if isinstance(node, (ast.Assign, ast.AnnAssign, ast.AugAssign)):
+            self.assignment(node, state)
+        elif isinstance(node, ast.Expr):
+            self.effects(node.value, state)
+        elif isinstance(node, ast.If):
+            return self.branches(node, node.test, [node.body, node.orelse], state)
+        elif isinstance(node, ast.Match):
+            return self.branches(node, node.subject, [case.body for case in node.cases] + [[]], state)
+        elif isinstance(node, (ast.For, ast.AsyncFor, ast.While)):
+            return self.loop(node, state)
+        elif isinstance(node, (ast.With, ast.AsyncWith)):
+            for item in node.items:
+                if item.optional_vars is not None:
+                    self.assign(item.optional_vars, self.varies(item.context_expr, state), state)
+            return self.block(node.body, state)
+        elif isinstance(node, (ast.Try, getattr(ast, "TryStar", ast.Try))):
+            return self.try_block(node, state)
+        elif isinstance(node, (ast.Break, ast.Continue, ast.Return)):
+            self.exit(node, state)
+        elif isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+            state.discard(node.name)
+        return state
+
+    def varies(self, node: ast.AST, state: set[str]) -> bool:
+        return self.control() or self.why(node, state) is not None
+
+    def assignment(self, node: ast.Assign | ast.AnnAssign | ast.AugAssign, state: set[str]) -> None:
+        if node.value is None:
+            return
+        varies = self.varies(node.value, state)
+        if isinstance(node, ast.AugAssign):
+            varies = varies or self.why(node.target, state) is not None
+        for target in node.targets if isinstance(node, ast.Assign) else [node.target]:
+            self.assign(target, varies, state)
+
+    def assign(self, target: ast.AST, varies: bool, state: set[str]) -> None:
+        if isinstance(target, (ast.Tuple, ast.List)):
+            for element in target.elts:
+                self.assign(element, varies, state)
+        elif isinstance(target, ast.Starred):
+            self.assign(target.value, varies, state)
+        elif isinstance(target, ast.Subscript):
+            base = _dotted(target.value)
+            if base and varies:
+                state.add(base)
+        else:
+            key = _dotted(target)
+            if key is None:
+                return
+            if varies:
+                state.add(key)
+            else:
+                state.difference_update({k for k in state if k == key or k.startswith(key + ".")})
+
+    def effects(self, node: ast.expr, state: set[str]) -> None:
+        """A call as a statement: in-place synchronisers, and objects fed with rank-varying values."""
+        node = node.value if isinstance(node, ast.Await) else node
+        if not isinstance(node, ast.Call):
+            return
+        canon = self.mod.canonical(node.func) or ""
+        last = canon.rsplit(".", 1)[-1]
+        if canon.startswith(("torch.distributed.", "accelerate.")) and last in INPLACE_SYNC:
+            buffer = node.args[0] if node.args else (node.keywords[0].value if node.keywords else None)
+            state.discard(_dotted(buffer) or "" if buffer is not None else "")
+            return
+        func = node.func
+        receiver = func.value if isinstance(func, ast.Attribute) else func
+        base = _dotted(receiver)
+        if base is None or self.mod.is_accelerator(receiver) or base.split(".")[0] in self.mod.aliases \
+                or base in self.mod.functions or hasattr(builtins, base):
+            return
+        if self.control() or self.first_why([*node.args, *node.keywords], state):
+            state.add(base)  # early_stopping(val_loss) / stopper.update(val_loss)
+
+    def branches(self, node: ast.stmt, test: ast.expr, bodies: list[list[ast.stmt]],
+                 state: set[str]) -> set[str]:
+        self.guards.append(_Guard(node, test, self.why(test, state), len(self.loops)))
+        merged: set[str] = set()
+        for body in bodies:
+            merged |= self.block(body, set(state))
+        self.guards.pop()
+        return merged
+
+    def try_block(self, node: ast.Try, state: set[str]) -> set[str]:
+        merged = self.block(node.body, set(state))
+        for handler in node.handlers:
+            handled = set(state) | merged
+            if handler.name:
+                handled.add(handler.name)
+            merged |= self.block(handler.body, handled)
+        merged = self.block(node.orelse, merged)
+        return self.block(node.finalbody, merged)
+
+    def loop(self, node: ast.For | ast.AsyncFor | ast.While, state: set[str]) -> set[str]:
+        ops = self.mod.ordered(node.body + ([node.test] if isinstance(node, ast.While) else []))
+        self.loops.append(_Loop(node, ops[0] if ops else None))
+        entry = set(state)
+        for _ in range(3):  # loop-carried values: run the body until nothing new varies
+            body_state = set(entry)
+            if isinstance(node, ast.While):
+                why = self.why(node.test, entry)
+                self.guards.append(_Guard(node, node.test, why, len(self.loops), for_exits=False))
+            else:
+                self.iteration(node.target, node.iter, body_state)
+            out = self.block(node.body, body_state)
+            if isinstance(node, ast.While):
+                self.guards.pop()
+            if out <= entry:
+                break
+            entry |= out
+        loop = self.loops.pop()
+        if isinstance(node, ast.While):
+            self.while_exit(node, loop, entry)
+        return entry | self.block(node.orelse, set(entry))
+
+    def iteration(self, target: ast.AST, iterable: ast.expr, state: set[str]) -> None:
+        """Bind a for-loop target: range/enumerate indices agree across ranks, each rank's batches do not."""
+        canon = self.mod.canonical(iterable.func) if isinstance(iterable, ast.Call) else None
+        if canon in ("enumerate", "zip") and isinstance(target, ast.Tuple):
+            args = iterable.args
+            if canon == "enumerate" and len(target.elts) == 2 and args:
+                self.assign(target.elts[0], self.control(), state)
+                self.iteration(target.elts[1], args[0], state)
+                return
+            if canon == "zip" and len(target.elts) == len(args):
+                for element, arg in zip(target.elts, args, strict=True):
+                    self.iteration(element, arg, state)
+                return
+        uniform = canon == "range" or isinstance(iterable, (ast.List, ast.Tuple, ast.Set))
+        varies = self.varies(iterable, state) or (not uniform and _data_like(iterable))
+        self.assign(target, varies, state)
+
+    def while_exit(self, node: ast.While, loop: _Loop, state: set[str]) -> None:
+        why = self.why(node.test, state)
+        if self.report and why and loop.first:
+            op, call = loop.first
+            self.raws.append(_Raw(
+                "DIVERGENT_BREAK", node,
+                f"`while {_text(node.test)}` ends a loop that runs collectives (`{op.text}`, "
+                f"{self.mod.parsed.where(call.lineno)}) on `{why}`, which {UNSYNCED}: ranks that stay in the "
+                f"loop wait forever in `{op.text}`."))
+
+    def exit(self, node: ast.Break | ast.Continue | ast.Return, state: set[str]) -> None:
+        if isinstance(node, ast.Return) and (self.control() or (node.value and self.why(node.value, state))):
+            self.returns_vary = True
+        if not self.report:
+            return
+        word = type(node).__name__.lower()
+        if isinstance(node, ast.Return):
+            looping = [i for i, loop in enumerate(self.loops) if loop.first]
+            if looping:
+                self.leave_loop(node, word, self.loops[looping[0]], looping[0] + 1)
+            elif self.function is not None:
+                self.skip_rest(node, word, self.mod.ordered(self.function.body), 0)
+        elif self.loops and self.loops[-1].first:
+            if isinstance(node, ast.Break):
+                self.leave_loop(node, word, self.loops[-1], len(self.loops))
+            else:
+                self.skip_rest(node, word, self.mod.ordered(self.loops[-1].node.body), len(self.loops))
+
+    def _guard(self, depth: int) -> _Guard | None:
+        """The innermost rank-varying condition entered at loop depth ``depth`` or deeper."""
+        return next((g for g in reversed(self.guards) if g.why and g.for_exits and g.depth >= depth), None)
+
+    def leave_loop(self, node: ast.stmt, word: str, loop: _Loop, depth: int) -> None:
+        guard = self._guard(depth)
+        if guard is None or loop.first is None:
+            return
+        op, call = loop.first
+        self.raws.append(_Raw(
+            "DIVERGENT_BREAK", node,
+            f"`{word}` under `if {_text(guard.test)}` ({self.mod.parsed.where(guard.test.lineno)}) leaves a "
+            f"loop that runs collectives (`{op.text}`, {self.mod.parsed.where(call.lineno)}), and "
+            f"`{guard.why}` {UNSYNCED}: ranks that stay in the loop wait forever in `{op.text}`."))
+
+    def skip_rest(self, node: ast.stmt, word: str, ops: list[tuple[_Op, ast.Call]], depth: int) -> None:
+        guard = self._guard(depth)
+        here = (node.lineno, node.col_offset)
+        later = [(op, call) for op, call in ops if (call.lineno, call.col_offset) > here]
+        if guard is None or not later:
+            return
+        if isinstance(node, ast.Return) and self.function is not None and guard.node in self.function.body \
+                and self.mod.rank_source(guard.test):
+            return  # `if not main: return` then a collective: reported as MAIN_ONLY_COLLECTIVE
+        op, call = later[0]
+        self.raws.append(_Raw(
+            "DIVERGENT_BREAK", node,
+            f"`{word}` under `if {_text(guard.test)}` ({self.mod.parsed.where(guard.test.lineno)}) skips "
+            f"`{op.text}` ({self.mod.parsed.where(call.lineno)}) on some ranks, and `{guard.why}` "
+            f"{UNSYNCED}: the ranks that do not skip it wait forever in `{op.text}`."))
+
+
+# --- accelerate's real names, read from its source without importing it --------------------------
+
+
+@dataclass(frozen=True)
+class _AccelerateApi:
+    version: str
+    accelerator: frozenset[str]
+    modules: dict[str, frozenset[str]]
+
+
+@functools.lru_cache(maxsize=1)
+def _accelerate_api() -> _AccelerateApi | None:
+    """The installed accelerate's Accelerator attributes and package names (None when not installed).
+
+    Read with ``ast`` from its source files: importing accelerate would import torch.
+    """
+    spec = importlib.util.find_spec("accelerate")
+    if spec is None or not spec.submodule_search_locations:
+        return None
+    root = Path(list(spec.submodule_search_locations)[0])
+    try:
+        init = (root / "__init__.py").read_text(encoding="utf-8")
+        accelerator = ast.parse((root / "accelerator.py").read_text(encoding="utf-8"))
+        utils = (root / "utils" / "__init__.py").read_text(encoding="utf-8")
+    except (OSError, SyntaxError):
+        return None
+    version = re.search(r"__version__\s*=\s*[\"']([^\"']+)", init)
+    modules = {"accelerate": _package_names(root, init),
+               "accelerate.utils": _package_names(root / "utils", utils)}
+    return _AccelerateApi(version.group(1) if version else "?", _class_attributes(accelerator, "Accelerator"),
+                          modules)
+
+
+def _class_attributes(tree: ast.Module, name: str) -> frozenset[str]:
+    cls = next((n for n in tree.body if isinstance(n, ast.ClassDef) and n.name == name), None)
+    if cls is None:
+        return frozenset()
+    names = set()
+    for node in ast.walk(cls):
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) and node in cls.body:
+            names.add(node.name)
+        elif isinstance(node, ast.Attribute) and isinstance(node.ctx, ast.Store) \
+                and isinstance(node.value, ast.Name) and node.value.id == "self":
+            names.add(node.attr)
+        elif isinstance(node, ast.Assign) and node in cls.body:
+            names.update(t.id for t in node.targets if isinstance(t, ast.Name))
+    return frozenset(names)
+
+
+def _package_names(folder: Path, init: str) -> frozenset[str]:
+    names = {p.stem for p in folder.iterdir() if p.suffix == ".py" or (p / "__init__.py").exists()}
+    for node in ast.walk(ast.parse(init)):
+        if isinstance(node, (ast.Import, ast.ImportFrom)):
+            names.update((a.asname or a.name).split(".")[0] for a in node.names)
+        elif isinstance(node, (ast.FunctionDef, ast.ClassDef)):
+            names.add(node.name)
+        elif isinstance(node, ast.Assign):
+            names.update(t.id for t in node.targets if isinstance(t, ast.Name))
+    return frozenset(names)
