@@ -5,8 +5,9 @@ with :mod:`ast` and never runs them, so it imports neither torch nor accelerate.
 distributed job must issue the same collectives in the same order; each rule below finds one way a
 script breaks that, before it hangs on a cluster:
 
-- ``MAIN_ONLY_COLLECTIVE``: a collective inside a branch that only some ranks take;
-- ``ONE_SIDED_BARRIER``: a barrier in one branch of a rank-dependent if/else but not the other;
+- ``MAIN_ONLY_COLLECTIVE``: any other collective inside a branch that only some ranks take;
+- ``ONE_SIDED_BARRIER``: a barrier on one side of a rank-dependent if/else (or inside an if without
+  else, or after ``if not main: return``) but not on the other;
 - ``DIVERGENT_BREAK``: ``break``/``return``/``continue`` in a loop that runs collectives, on a value
   that can differ between ranks (not the result of check_trigger, gather, reduce or broadcast);
 - ``NONEXISTENT_API``: misremembered accelerate names such as ``set_breakpoint``;
@@ -709,11 +710,11 @@ class _Module:
 
     def _compare_sides(self, node: ast.If | ast.IfExp, rest: list[ast.stmt]) -> Iterator[_Raw]:
         if isinstance(node, ast.IfExp):
-            taken, other, has_other = [node.body], [node.orelse], True
+            taken, other = [node.body], [node.orelse]
         else:
-            taken, other, has_other = list(node.body), list(node.orelse), bool(node.orelse)
+            taken, other = list(node.body), list(node.orelse)
             if _returns(node.body) and not _returns(node.orelse):
-                other, has_other = other + rest, has_other or bool(rest)  # guard clause
+                other = other + rest  # guard clause: the other ranks go on with the rest
             elif _returns(node.orelse) and not _returns(node.body):
                 taken = taken + rest
         test, truth = node.test, True
@@ -723,14 +724,13 @@ class _Module:
         for (mine, when), (theirs, _) in (sides, sides[::-1]):
             for key in mine.keys() - theirs.keys():
                 for op, call in mine[key]:
-                    yield self._one_sided(op, call, test, when, node.lineno, has_other)
+                    yield self._one_sided(op, call, test, when, node.lineno)
 
-    def _one_sided(self, op: _Op, call: ast.Call, test: ast.expr, when: bool, line: int,
-                   has_other: bool) -> _Raw:
+    def _one_sided(self, op: _Op, call: ast.Call, test: ast.expr, when: bool, line: int) -> _Raw:
         where = f"ranks where `{_text(test)}` is {'true' if when else 'false'} ({self.parsed.where(line)})"
-        if op.key == "barrier" and has_other:
+        if op.key == "barrier":
             return _Raw("ONE_SIDED_BARRIER", call,
-                        f"`{op.text}` {op.why}, reached only on {where}; the other side has no barrier, so "
+                        f"`{op.text}` {op.why}, reached only on {where}; the other path has no barrier, so "
                         "those ranks never arrive and the ranks waiting in it hang.")
         return _Raw("MAIN_ONLY_COLLECTIVE", call,
                     f"`{op.text}` {op.why}, but it runs only on {where}: the other ranks never call it and "
