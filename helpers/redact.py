@@ -113,18 +113,19 @@ def _values_pattern(values: Iterable[str]) -> re.Pattern[str] | None:
 
 def redact_text_count(text: str, extra_values: Iterable[str] = ()) -> tuple[str, int]:
     """``redact_text`` that also says how many replacements it made."""
+    return _redact(text, _values_pattern([*environment_secrets(), *extra_values]))
+
+
+def _redact(text: str, values: re.Pattern[str] | None) -> tuple[str, int]:
     total = 0
-    pattern = _values_pattern([*environment_secrets(), *extra_values])
-    if pattern is not None:
-        text, count = pattern.subn(REDACTED, text)
+    if values is not None:
+        text, count = values.subn(REDACTED, text)
         total += count
     for shape, replacement in _SHAPES:
         text, count = shape.subn(replacement, text)
         total += count
     new_text = _ASSIGNMENT.sub(_assignment, text)
-    if new_text != text:
-        total += 1
-    return new_text, total
+    return new_text, total + (new_text != text)
 
 
 def redact_text(text: str, extra_values: Iterable[str] = ()) -> str:
@@ -249,11 +250,11 @@ class _Scrubber:
     """Walks notebook JSON, redacting strings and counting what it replaced."""
 
     def __init__(self, extra_values: list[str]):
-        self.extra = extra_values
+        self.values = _values_pattern([*environment_secrets(), *extra_values])
         self.count = 0
 
     def text(self, text: str) -> str:
-        new, count = redact_text_count(text, self.extra)
+        new, count = _redact(text, self.values)
         self.count += count
         return new
 

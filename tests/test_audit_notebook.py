@@ -70,3 +70,21 @@ def test_compare_anonymize_and_strict(tmp_path):
     report = json.loads((tmp_path / "audit" / "audit.json").read_text())
     assert report["facts"]["hostname"] == "<host>"
     assert report["findings"][0]["code"] == "CUDA_VISIBLE_DEVICES_INVALID"
+
+
+def test_widget_panel_runs_the_same_function(tmp_path):
+    """The panel (no kernel needed): severity filter, re-run, compare by path, bad path shown."""
+    from helpers import audit, ui
+
+    panel = ui.panel(audit.run_audit, {"report_dir": str(tmp_path / "p"), "compare_with": "",
+                                       "anonymize": False, "min_severity": "warning"})
+    assert panel.controls["min_severity"].options == ("info", "warning", "error")
+    panel.controls["compare_with"].value = str(FIXTURES / "healthy_8gpu.json")
+    result = panel.click()
+    assert panel.error is None and result.min_severity == "warning"
+    assert "No findings at severity warning" in result._repr_html_()  # NO_GPU is info
+    assert result.diff is not None and not result.diff.identical
+    assert (tmp_path / "p" / "audit.json").is_file() and (tmp_path / "p" / "audit.html").is_file()
+    panel.controls["compare_with"].value = str(tmp_path / "missing.json")
+    panel.click()
+    assert panel.error.startswith("ValueError: compare_with: no such file")
