@@ -37,34 +37,42 @@ MIN_SECRET_LENGTH = 6  # shorter values of credential variables are not searched
 NOT_CREDENTIALS = frozenset({"TOKENIZERS_PARALLELISM", "HF_HUB_DISABLE_IMPLICIT_TOKEN", "NCCL_IB_PKEY",
                              "HF_HUB_DISABLE_TELEMETRY"})
 
-_NAME_CHARS = r"[A-Za-z0-9_.\-]"
+_NAME_CHARS = r"[A-Za-z0-9_.\-]{0,48}"  # bounded: a long dotted run must not go quadratic
 _CRED_WORD = r"(?:TOKEN|SECRET|PASSWORD|PASSWD|KEY|CRED|AUTH|COOKIE|SESSION|PRIVATE)"
 
-# shapes of secrets: (pattern, replacement). Replacements keep the non-secret prefix readable.
-_SHAPES: list[tuple[re.Pattern[str], str]] = [
-    (re.compile(r"-----BEGIN [A-Z ]*PRIVATE KEY-----.*?-----END [A-Z ]*PRIVATE KEY-----", re.S),
+# shapes of secrets: (cheap lowercase hints, pattern, replacement). A pattern runs only on text that
+# contains one of its hints, which keeps redaction fast on large outputs. Replacements keep the
+# non-secret prefix readable.
+_SHAPES: list[tuple[tuple[str, ...], re.Pattern[str], str]] = [
+    (("private key",),
+     re.compile(r"-----BEGIN [A-Z ]*PRIVATE KEY-----.*?-----END [A-Z ]*PRIVATE KEY-----", re.S), REDACTED),
+    (("hf_",), re.compile(r"\bhf_[A-Za-z0-9]{16,}"), REDACTED),
+    (("sk-",), re.compile(r"\bsk-[A-Za-z0-9_\-]{16,}"), REDACTED),
+    (("ghp_", "gho_", "ghu_", "ghs_", "ghr_"), re.compile(r"\b(?:ghp|gho|ghu|ghs|ghr)_[A-Za-z0-9]{20,}"),
      REDACTED),
-    (re.compile(r"\bhf_[A-Za-z0-9]{16,}"), REDACTED),
-    (re.compile(r"\bsk-[A-Za-z0-9_\-]{16,}"), REDACTED),
-    (re.compile(r"\b(?:ghp|gho|ghu|ghs|ghr)_[A-Za-z0-9]{20,}"), REDACTED),
-    (re.compile(r"\bgithub_pat_[A-Za-z0-9_]{20,}"), REDACTED),
-    (re.compile(r"\b(?:AKIA|ASIA)[0-9A-Z]{16}\b"), REDACTED),
-    (re.compile(r"\bxox[abposr]-[A-Za-z0-9\-]{10,}"), REDACTED),
-    (re.compile(r"\bAIza[0-9A-Za-z_\-]{35}"), REDACTED),
-    (re.compile(r"\beyJ[A-Za-z0-9_\-]{8,}\.eyJ[A-Za-z0-9_\-]{8,}\.[A-Za-z0-9_\-]{8,}"), REDACTED),
-    (re.compile(r"(?i)\b(Bearer|Basic|Token)(\s+)[A-Za-z0-9._~+/\-]{12,}=*"), rf"\1\2{REDACTED}"),
+    (("github_pat_",), re.compile(r"\bgithub_pat_[A-Za-z0-9_]{20,}"), REDACTED),
+    (("akia", "asia"), re.compile(r"\b(?:AKIA|ASIA)[0-9A-Z]{16}\b"), REDACTED),
+    (("xox",), re.compile(r"\bxox[abposr]-[A-Za-z0-9\-]{10,}"), REDACTED),
+    (("aiza",), re.compile(r"\bAIza[0-9A-Za-z_\-]{35}"), REDACTED),
+    (("eyj",), re.compile(r"\beyJ[A-Za-z0-9_\-]{8,}\.eyJ[A-Za-z0-9_\-]{8,}\.[A-Za-z0-9_\-]{8,}"),
+     REDACTED),
+    (("bearer", "basic", "token"),
+     re.compile(r"(?i)\b(Bearer|Basic|Token)(\s+)[A-Za-z0-9._~+/\-]{12,}=*"), rf"\1\2{REDACTED}"),
     # connection strings: AccountKey=...; SharedAccessSignature=...; password=...
-    (re.compile(r"(?i)\b(AccountKey|SharedAccessKey|SharedAccessSignature|sig|password|passwd|pwd)"
+    (("key=", "signature=", "sig=", "password=", "passwd=", "pwd="),
+     re.compile(r"(?i)\b(AccountKey|SharedAccessKey|SharedAccessSignature|sig|password|passwd|pwd)"
                 r"=([^;&\s\"'<>]+)"), rf"\1={REDACTED}"),
     # scheme://user:password@host
-    (re.compile(r"(?i)\b([a-z][a-z0-9+.\-]*://[^/\s:@\"'<>]+):([^/\s@\"'<>]+)@"), rf"\1:{REDACTED}@"),
+    (("://",), re.compile(r"(?i)\b([a-z][a-z0-9+.\-]{0,20}://[^/\s:@\"'<>]{1,256}):([^/\s@\"'<>]{1,256})@"),
+     rf"\1:{REDACTED}@"),
     # --hf-token VALUE / --password=VALUE on command lines
-    (re.compile(rf"(?i)(--[a-z0-9\-]*{_CRED_WORD}[a-z0-9\-]*)([ =])(?!<redacted>)([^\s\"']+)"),
-     rf"\1\2{REDACTED}"),
+    (("--",), re.compile(rf"(?i)(--[a-z][a-z0-9\-]{{0,40}}{_CRED_WORD}[a-z0-9\-]{{0,40}})([ =])"
+                         r"(?!<redacted>)([^\s\"']+)"), rf"\1\2{REDACTED}"),
 ]
+_CRED_ANY = re.compile(_CRED_WORD, re.I)
 # NAME=value, NAME: value, "name": "value", name = 'value' where NAME is credential-like
 _ASSIGNMENT = re.compile(
-    rf"(?i)(?P<name>\b{_NAME_CHARS}*{_CRED_WORD}{_NAME_CHARS}*)"
+    rf"(?i)(?P<name>\b{_NAME_CHARS}{_CRED_WORD}{_NAME_CHARS})"
     r"(?P<close>['\"]?\]?)(?P<sep>\s*[=:]\s*)(?P<quote>['\"]?)(?P<value>[^\s'\",;&<>)}\]]+)"
 )
 
@@ -85,7 +93,8 @@ def _is_trivial(value: str) -> bool:
 
 def _assignment(match: re.Match[str]) -> str:
     name, quote, value = match["name"], match["quote"], match["value"]
-    code_like = not quote and not name.isupper()  # ``sorted(x, key=len)`` is code, not a secret
+    tail = re.split(r"[.\-]", name)[-1]  # ``x.HF_TOKEN`` -> ``HF_TOKEN``
+    code_like = not quote and not tail.isupper()  # ``sorted(x, key=len)`` is code, not a secret
     if code_like or _is_trivial(value) or not is_credential_name(name):
         return match.group(0)
     return f"{name}{match['close']}{match['sep']}{quote}{REDACTED}"
@@ -121,11 +130,18 @@ def _redact(text: str, values: re.Pattern[str] | None) -> tuple[str, int]:
     if values is not None:
         text, count = values.subn(REDACTED, text)
         total += count
-    for shape, replacement in _SHAPES:
-        text, count = shape.subn(replacement, text)
-        total += count
-    new_text = _ASSIGNMENT.sub(_assignment, text)
-    return new_text, total + (new_text != text)
+    lower = text.lower()
+    for hints, shape, replacement in _SHAPES:
+        if any(hint in lower for hint in hints):
+            text, count = shape.subn(replacement, text)
+            total += count
+    if _CRED_ANY.search(text):  # only lines naming a credential can hold NAME=value
+        lines = text.splitlines(keepends=True)
+        cleaned = [_ASSIGNMENT.sub(_assignment, line) if _CRED_ANY.search(line) else line
+                   for line in lines]
+        total += sum(a != b for a, b in zip(lines, cleaned, strict=True))
+        text = "".join(cleaned)
+    return text, total
 
 
 def redact_text(text: str, extra_values: Iterable[str] = ()) -> str:

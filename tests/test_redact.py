@@ -173,3 +173,15 @@ def test_scrub_notebook_refuses_non_notebooks(tmp_path, content):
 
 def test_not_collected_names_are_credential_like():
     assert all(redact.is_credential_name(name) for name in NOT_COLLECTED if name != "DOCKER_AUTH_CONFIG")
+
+
+@pytest.mark.parametrize("text", ["a-" * 100_000, "-" * 200_000, "a." * 100_000,
+                                  ("ab.cd-" * 30_000) + "\nHF_TOKEN=abc123456"])
+def test_large_outputs_stay_fast(text):
+    """Long runs of dotted or dashed text once made the patterns backtrack quadratically."""
+    import time
+
+    started = time.perf_counter()
+    cleaned = redact.redact_text(text)
+    assert time.perf_counter() - started < 1.0  # ~0.03 s here; generous for a loaded machine
+    assert cleaned.endswith("HF_TOKEN=<redacted>") or cleaned == text
