@@ -16,7 +16,8 @@ SEVERITY_COLORS = {"error": "#f8d0d0", "warning": "#fbe9c0", "info": "#dde9f7"}
 STYLE = """
 body { font-family: system-ui, sans-serif; margin: 2em; color: #222; }
 table { border-collapse: collapse; margin: 0.5em 0 1.5em; font-size: 0.92em; }
-th, td { border: 1px solid #ccc; padding: 4px 8px; text-align: left; vertical-align: top; }
+th, td { border: 1px solid #ccc; padding: 4px 8px; text-align: left; vertical-align: top;
+         max-width: 30em; overflow-wrap: anywhere; }
 th { background: #f2f2f2; }
 td.diff { background: #fbe9c0; font-weight: 600; }
 pre { background: #f6f6f6; padding: 0.8em; overflow-x: auto; font-size: 0.85em; }
