@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import ast
+import bisect
 import builtins
 import difflib
 import functools
@@ -394,10 +395,6 @@ def _shallow(nodes: Iterable[ast.AST]) -> Iterator[ast.AST]:
                 stack.extend(v for v in value if isinstance(v, ast.AST))
 
 
-def _calls(nodes: Iterable[ast.AST]) -> list[ast.Call]:
-    return [n for n in _shallow(nodes) if isinstance(n, ast.Call)]
-
-
 def _dotted(node: ast.AST) -> str | None:
     """``a.b.c`` for a Name/Attribute chain, else None."""
     parts = []
@@ -480,14 +477,12 @@ class _Module:
     def __init__(self, parsed: _Parsed):
         self.parsed = parsed
         self.tree = parsed.tree
-        self.nodes: dict[type, list[ast.AST]] = {}
-        for node in ast.walk(self.tree):
-            self.nodes.setdefault(type(node), []).append(node)
+        self._index()
         self.aliases = _import_aliases(self.of(ast.Import, ast.ImportFrom))
         self.functions: dict[str, list[ast.FunctionDef | ast.AsyncFunctionDef]] = {}
         for node in self.of(ast.FunctionDef, ast.AsyncFunctionDef):
             self.functions.setdefault(node.name, []).append(node)
-        self.fn_calls = {name: [c for fn in defs if not _rank_decorator(fn) for c in _calls(fn.body)]
+        self.fn_calls = {name: [c for fn in defs if not _rank_decorator(fn) for c in self.calls_in[id(fn)]]
                          for name, defs in self.functions.items()}
         self._collectives: dict[int, _Op | None] = {}
         self.accelerators, self.states = self._accelerator_names()
@@ -496,7 +491,33 @@ class _Module:
         self.collective_fns = self._summarise(self._direct_collective)
         self.cuda_fns = self._summarise(self._cuda_touch)
         self._returns: dict[tuple[str, bool], bool] = {}
-        self._ordered: dict[tuple[int, ...], list[tuple[_Op, ast.Call]]] = {}
+        # every collective call of the file in source order, to find those under some statements fast
+        calls = sorted(self.of(ast.Call), key=lambda c: (c.lineno, c.col_offset))
+        self._all_ops = [(op, call) for call in calls if (op := self.collective(call)) is not None]
+        self._positions = [(call.lineno, call.col_offset) for _, call in self._all_ops]
+
+    def _index(self) -> None:
+        """One pass over the tree: nodes by type, and the scope (def, lambda, class, module) of each."""
+        self.nodes: dict[type, list[ast.AST]] = {}
+        self.scope_of: dict[int, ast.AST] = {}
+        self.calls_in: dict[int, list[ast.Call]] = {id(self.tree): []}
+        stack: list[tuple[ast.AST, ast.AST]] = [(self.tree, self.tree)]
+        while stack:
+            node, scope = stack.pop()
+            self.nodes.setdefault(type(node), []).append(node)
+            self.scope_of[id(node)] = scope
+            if isinstance(node, ast.Call):
+                self.calls_in[id(scope)].append(node)
+            inner = scope
+            if isinstance(node, _SCOPES):
+                inner = node
+                self.calls_in[id(node)] = []
+            for name in node._fields:
+                value = getattr(node, name, None)
+                if isinstance(value, ast.AST):
+                    stack.append((value, inner))
+                elif isinstance(value, list):
+                    stack.extend((v, inner) for v in value if isinstance(v, ast.AST))
 
     def of(self, *types: type) -> list:
         """Every node of these types in the file."""
@@ -613,22 +634,22 @@ class _Module:
             return _Op("backward", text, ACCELERATOR_COLLECTIVES["backward"])
         return None
 
-    def profile(self, nodes: Iterable[ast.AST]) -> dict[str, list[tuple[_Op, ast.Call]]]:
+    def profile(self, nodes: list[ast.AST]) -> dict[str, list[tuple[_Op, ast.Call]]]:
         """Collectives under ``nodes`` by key, in source order."""
         found: dict[str, list[tuple[_Op, ast.Call]]] = {}
-        for call in _calls(nodes):
-            op = self.collective(call)
-            if op is not None:
-                found.setdefault(op.key, []).append((op, call))
+        for op, call in self.ordered(nodes):
+            found.setdefault(op.key, []).append((op, call))
         return found
 
     def ordered(self, nodes: list[ast.AST]) -> list[tuple[_Op, ast.Call]]:
-        """Collectives under ``nodes`` in source order (cached: loops are walked several times)."""
-        key = tuple(map(id, nodes))
-        if key not in self._ordered:
-            pairs = [pair for pairs in self.profile(nodes).values() for pair in pairs]
-            self._ordered[key] = sorted(pairs, key=lambda p: (p[1].lineno, p[1].col_offset))
-        return self._ordered[key]
+        """Collectives under ``nodes`` that run in place (not in nested defs), in source order."""
+        found = []
+        for node in nodes:
+            scope = self.scope_of[id(node)]
+            start = bisect.bisect_left(self._positions, (node.lineno, node.col_offset))
+            end = bisect.bisect_right(self._positions, (node.end_lineno, node.end_col_offset))
+            found += [pair for pair in self._all_ops[start:end] if self.scope_of[id(pair[1])] is scope]
+        return sorted(found, key=lambda p: (p[1].lineno, p[1].col_offset))
 
     def _summarise(self, direct) -> dict[str, tuple[str, int, str]]:
         """Function name -> (call text, line, key) of the first ``direct`` hit it reaches, transitively.
