@@ -420,6 +420,11 @@ def _blocks(nodes: Iterable[ast.AST]) -> Iterator[list[ast.stmt]]:
                 yield block
 
 
+def _in_order(nodes: Iterable[ast.AST]) -> list:
+    """Nodes in source order."""
+    return sorted(nodes, key=lambda n: (n.lineno, n.col_offset))
+
+
 def _returns(stmts: list[ast.stmt]) -> bool:
     return bool(stmts) and isinstance(stmts[-1], (ast.Return, ast.Raise))
 
@@ -482,7 +487,9 @@ class _Module:
         self.functions: dict[str, list[ast.FunctionDef | ast.AsyncFunctionDef]] = {}
         for node in self.of(ast.FunctionDef, ast.AsyncFunctionDef):
             self.functions.setdefault(node.name, []).append(node)
-        self.fn_calls = {name: [c for fn in defs if not _rank_decorator(fn) for c in self.calls_in[id(fn)]]
+        # calls each function makes (functions that run on one process only are reported inside)
+        self.fn_calls = {name: _in_order(c for fn in defs if not _rank_decorator(fn)
+                                         for c in self.calls_in[id(fn)])
                          for name, defs in self.functions.items()}
         self._collectives: dict[int, _Op | None] = {}
         self.accelerators, self.states = self._accelerator_names()
@@ -492,7 +499,7 @@ class _Module:
         self.cuda_fns = self._summarise(self._cuda_touch)
         self._returns: dict[tuple[str, bool], bool] = {}
         # every collective call of the file in source order, to find those under some statements fast
-        calls = sorted(self.of(ast.Call), key=lambda c: (c.lineno, c.col_offset))
+        calls = _in_order(self.of(ast.Call))
         self._all_ops = [(op, call) for call in calls if (op := self.collective(call)) is not None]
         self._positions = [(call.lineno, call.col_offset) for _, call in self._all_ops]
 
@@ -593,8 +600,8 @@ class _Module:
                 return node.id
             if isinstance(node, ast.Call) and (self.canonical(node.func) or "").rsplit(".")[-1] in RANK_CALLS:
                 return _text(node)
-            if isinstance(node, ast.Constant) and node.value in RANK_ENV:
-                return f"os.environ[{node.value!r}]"
+            if _rank_env_read(node):
+                return _text(node)
         return None
 
     # collectives ----------------------------------------------------------------------------------
@@ -791,10 +798,10 @@ class _Module:
         attr, text = node.attr, _text(node)
         version = f"accelerate {api.version}'s Accelerator" if api else "an Accelerator"
         right = MISREMEMBERED.get(attr)
-        if right is None and api and not attr.startswith("_") and attr not in api.accelerator:
+        if right is None:
+            if api is None or attr.startswith("_") or attr in api.accelerator:
+                return
             right = next(iter(difflib.get_close_matches(attr, sorted(api.accelerator), n=1)), "")
-        elif right is None:
-            return
         hint = f"; the name is `{right}`." if right else "."
         yield _Raw("NONEXISTENT_API", node, f"`{text}` does not exist: {version} has no `{attr}`{hint}",
                    _api_fix(f"{_dotted(node.value)}.{right}" if right else ""))
@@ -904,6 +911,19 @@ def _api_fix(right: str) -> str:
     return f"Use `{right}`." + (f" {TRIGGER_FIX}" if trigger else "")
 
 
+def _rank_env_read(node: ast.AST) -> bool:
+    """``os.environ["RANK"]``, ``os.environ.get("LOCAL_RANK")``, ``os.getenv("RANK")``: the value, not
+    ``"RANK" in os.environ`` (set on every rank alike)."""
+    if isinstance(node, ast.Subscript):
+        key = node.slice
+    elif isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) \
+            and node.func.attr in ("get", "getenv", "pop") and node.args:
+        key = node.args[0]
+    else:
+        return False
+    return isinstance(key, ast.Constant) and key.value in RANK_ENV
+
+
 def _rank_decorator(fn: ast.FunctionDef | ast.AsyncFunctionDef) -> str | None:
     for decorator in fn.decorator_list:
         target = decorator.func if isinstance(decorator, ast.Call) else decorator
@@ -962,7 +982,9 @@ class _Flow:
         if node is None or isinstance(node, ast.Lambda):
             return None
         if isinstance(node, ast.Constant):
-            return f"os.environ[{node.value!r}]" if node.value in RANK_ENV else None
+            return None
+        if _rank_env_read(node):
+            return _text(node)
         if isinstance(node, ast.Name):
             hit = node.id in state or node.id in RANK_NAMES or node.id in self.mod.rank_names
             return node.id if hit else None
@@ -974,10 +996,20 @@ class _Flow:
         if isinstance(node, ast.Call):
             return self.call_why(node, state)
         if isinstance(node, (ast.ListComp, ast.SetComp, ast.GeneratorExp, ast.DictComp)):
-            for gen in node.generators:
-                if _data_like(gen.iter) or self.why(gen.iter, state):
-                    return _text(gen.iter)
+            return self.comprehension_why(node, state)
         return self.first_why(ast.iter_child_nodes(node), state)
+
+    def comprehension_why(self, node: ast.ListComp | ast.SetComp | ast.GeneratorExp | ast.DictComp,
+                          state: set[str]) -> str | None:
+        """Like a for loop: items of a dataloader differ, ``[gather(model(b)) for b in loader]`` does not."""
+        inner = set(state)
+        for gen in node.generators:
+            self.iteration(gen.target, gen.iter, inner)
+            found = self.first_why(gen.ifs, inner)  # a filter on per-rank data: the length differs
+            if found:
+                return found
+        parts = [node.key, node.value] if isinstance(node, ast.DictComp) else [node.elt]
+        return self.first_why(parts, inner)
 
     def first_why(self, nodes: Iterable[ast.AST], state: set[str]) -> str | None:
         for child in nodes:
@@ -1086,8 +1118,9 @@ class _Flow:
         canon = self.mod.canonical(node.func) or ""
         last = canon.rsplit(".", 1)[-1]
         if canon.startswith(("torch.distributed.", "accelerate.")) and last in INPLACE_SYNC:
-            buffer = node.args[0] if node.args else (node.keywords[0].value if node.keywords else None)
-            state.discard(_dotted(buffer) or "" if buffer is not None else "")
+            buffers = [*node.args[:1], *(k.value for k in node.keywords[:1])]
+            if buffers:
+                state.discard(_dotted(buffers[0]) or "")
             return
         func = node.func
         receiver = func.value if isinstance(func, ast.Attribute) else func
@@ -1112,7 +1145,7 @@ class _Flow:
         for handler in node.handlers:
             handled = set(state) | merged
             if handler.name:
-                handled.add(handler.name)
+                self.assign(ast.Name(handler.name), self.control(), handled)
             merged |= self.block(handler.body, handled)
         merged = self.block(node.orelse, merged)
         return self.block(node.finalbody, merged)
@@ -1184,6 +1217,13 @@ class _Flow:
             else:
                 self.skip_rest(node, word, self.mod.ordered(self.loops[-1].node.body), len(self.loops))
 
+    def _guard_clause(self, node: ast.stmt, guard: _Guard) -> bool:
+        """``if <rank test>: ...; return`` in the function's own body: _check_rank_branches reports it."""
+        if_node = guard.node
+        return isinstance(node, ast.Return) and self.function is not None and isinstance(if_node, ast.If) \
+            and if_node in self.function.body and node in (if_node.body[-1:] + if_node.orelse[-1:]) \
+            and self.mod.rank_source(guard.test) is not None
+
     def _guard(self, depth: int) -> _Guard | None:
         """The innermost rank-varying condition entered at loop depth ``depth`` or deeper."""
         return next((g for g in reversed(self.guards) if g.why and g.for_exits and g.depth >= depth), None)
@@ -1205,9 +1245,8 @@ class _Flow:
         later = [(op, call) for op, call in ops if (call.lineno, call.col_offset) > here]
         if guard is None or not later:
             return
-        if isinstance(node, ast.Return) and self.function is not None and guard.node in self.function.body \
-                and self.mod.rank_source(guard.test):
-            return  # `if not main: return` then a collective: reported as MAIN_ONLY_COLLECTIVE
+        if self._guard_clause(node, guard):
+            return  # `if not main: return` then a collective: MAIN_ONLY_COLLECTIVE or ONE_SIDED_BARRIER
         op, call = later[0]
         self.raws.append(_Raw(
             "DIVERGENT_BREAK", node,
