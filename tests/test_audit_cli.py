@@ -73,12 +73,15 @@ def test_no_secret_in_any_output(secret_run):
     assert facts["env"]["MASTER_ADDR"] == "https://trainer:<redacted>@10.1.2.3"
 
 
-def test_facts_never_import_torch_in_the_caller():
-    code = ("import sys, json; from helpers import audit; f = audit.collect_facts(); "
-            "print(json.dumps(['torch' in sys.modules, f['torch']['version']]))")
+def test_facts_cli_prints_json_and_never_imports_torch_here():
+    """`python -m helpers facts` prints the facts; torch is imported only in the probe child."""
+    code = ("import sys; from helpers import cli; code = cli.main(['facts']); "
+            "print('TORCH_IMPORTED', 'torch' in sys.modules, code)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
-    imported, version = json.loads(out.stdout.strip().splitlines()[-1])
-    assert imported is False and version
+    printed, _, flag = out.stdout.rpartition("TORCH_IMPORTED")
+    assert flag.split() == ["False", "0"], out.stderr
+    facts = json.loads(printed)
+    assert facts["schema"] == 1 and facts["torch"]["version"] and facts["torch"]["probe"]["ok"]
 
 
 def test_facts_cli_and_anonymize(tmp_path):
@@ -94,8 +97,6 @@ def test_facts_cli_and_anonymize(tmp_path):
     hostname = socket.gethostname()
     assert not re.search(rf"(?<![\w.-]){re.escape(hostname)}(?![\w-])", text)
     assert str(home) not in text and facts["env"]["TORCH_HOME"] == "~/torch"
-    plain = helpers_cli("facts")
-    assert json.loads(plain.stdout)["schema"] == 1
 
 
 def test_strict_exit_codes(tmp_path):
