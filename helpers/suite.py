@@ -19,11 +19,14 @@ from pathlib import Path
 from typing import Any
 
 from helpers import cli, params, report
+from helpers.redact import redact_text, scrub_notebook
 from helpers.report import ResultMixin
 
 NOTEBOOK_DIR = params.REPO_ROOT / "notebooks"
 REPORTS_DIR = params.REPO_ROOT / "reports"
 CELL_TIMEOUT_S = 900
+# parameters naming a folder a notebook writes into: inside the report folder unless set with -p
+OUTPUT_FOLDER_PARAMETERS = ("report_dir", "out_dir")
 
 
 @dataclass
@@ -83,22 +86,32 @@ def parse_value(text: str) -> Any:
         return text
 
 
-def route_parameters(notebooks: list[Path], given: dict[str, Any]) -> dict[Path, dict[str, Any]]:
-    """Give each notebook the ``-p`` values it declares; a value no notebook declares is an error."""
+def route_parameters(notebooks: list[Path], given: dict[str, Any],
+                     out_dir: Path) -> dict[Path, dict[str, Any]]:
+    """Give each notebook the ``-p`` values it declares; a value no notebook declares is an error.
+
+    Each notebook's result JSON, and any folder it writes into (``report_dir``, ``out_dir``), go
+    inside the report folder unless ``-p`` sets them.
+    """
     declared = {path: declared_parameters(path) for path in notebooks}
     for name in given:
         if not any(name in names for names in declared.values()):
             raise ValueError(f"-p {name}: no notebook of {[p.stem for p in notebooks]} declares "
                              f"a parameter named {name!r}")
-    return {path: {k: v for k, v in given.items() if k in names} for path, names in declared.items()}
+    routed = {}
+    for path, names in declared.items():
+        defaults = {"results_path": str(out_dir / f"{path.stem}.json")}
+        defaults |= {name: str(out_dir / f"{path.stem}-files")
+                     for name in OUTPUT_FOLDER_PARAMETERS if name in names}
+        routed[path] = defaults | {k: v for k, v in given.items() if k in names}
+    return routed
 
 
 def _execute(path: Path, out_dir: Path, values: dict[str, Any]) -> NotebookRun:
     import papermill
 
     executed = out_dir / path.name
-    result_json = out_dir / f"{path.stem}.json"
-    values = {"results_path": str(result_json), **values}
+    result_json = Path(values.get("results_path") or out_dir / f"{path.stem}.json")
     started = time.monotonic()
     error = None
     try:
@@ -110,23 +123,15 @@ def _execute(path: Path, out_dir: Path, values: dict[str, Any]) -> NotebookRun:
     except Exception as exc:  # noqa: BLE001 - a broken kernel fails this notebook, not the suite
         error = f"{type(exc).__name__}: {exc}"
     seconds = time.monotonic() - started
-    run = NotebookRun(path.stem, error is None, seconds, error)
+    run = NotebookRun(path.stem, error is None, seconds, error and redact_text(error))
     if executed.exists():
-        _scrub(executed)
+        scrub_notebook(executed)  # outputs, papermill's injected parameters, metadata
         run.notebook = executed.name
         run.html = _to_html(executed).name
     if result_json.exists():
-        run.result = result_json.name
+        run.result = str(result_json.relative_to(out_dir)) if result_json.is_relative_to(out_dir) \
+            else str(result_json)
     return run
-
-
-def _scrub(executed: Path) -> None:
-    """Remove secrets from the executed notebook (outputs, injected parameters, metadata)."""
-    try:
-        from helpers.redact import scrub_notebook
-    except ImportError:  # the redaction module comes with the audit
-        return
-    scrub_notebook(executed)
 
 
 def _to_html(executed: Path) -> Path:
@@ -167,11 +172,12 @@ def run_suite(out_dir: str | Path | None = None, only: str | None = None,
     ``reports/latest`` link.
     """
     notebooks = list_notebooks(only)
-    routed = route_parameters(notebooks, parameters or {})
     stamp = datetime.datetime.now().strftime("%Y%m%d-%H%M%S")
     target = params.resolve_path(out_dir) if out_dir else REPORTS_DIR / stamp
+    routed = route_parameters(notebooks, parameters or {}, target)
     target.mkdir(parents=True, exist_ok=True)
-    result = SuiteResult(True, str(target), stamp, dict(parameters or {}))
+    result = SuiteResult(True, str(target), stamp, {k: redact_text(str(v)) if isinstance(v, str) else v
+                                                    for k, v in (parameters or {}).items()})
     progress = on_progress or (lambda line: None)
     for index, path in enumerate(notebooks, 1):
         progress(f"[{index}/{len(notebooks)}] {path.stem} ...")

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 
@@ -67,4 +68,21 @@ def test_default_folder_is_timestamped_with_a_latest_link(tmp_path, monkeypatch,
     latest = tmp_path / "reports" / "latest"
     assert latest.is_symlink() and latest.resolve() == tmp_path / "reports" / result.started
     assert (latest / "summary.json").exists()
+    leftovers.check()
+
+
+def test_report_holds_no_secret_and_keeps_outputs_inside(tmp_path, leftovers):
+    secrets = {"HF_TOKEN": "hf_" + "q" * 34, "NCCL_DEBUG_FILE": "/x/sk-" + "z" * 40,
+               "MASTER_ADDR": "https://user:hunter2pass@example.org"}
+    env = {**os.environ, **secrets}
+    out = tmp_path / "report"
+    proc = subprocess.run([sys.executable, "-m", "helpers", "report", "--only", "01", "--out", str(out)],
+                          capture_output=True, text=True, timeout=600, env=env)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    files = [p for p in out.rglob("*") if p.is_file()]
+    assert out / "01_environment_audit-files" / "audit.json" in files, "report_dir goes inside"
+    for path in files:
+        text = path.read_text(errors="replace")
+        for value in ("q" * 34, "z" * 40, "hunter2pass"):
+            assert value not in text, f"secret in {path.name}"
     leftovers.check()
