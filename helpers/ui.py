@@ -76,16 +76,19 @@ class Panel:
         self.status.value = "running..."
         self.output.clear_output()
         self.error = None
+        failed = ""
         try:
+            # caught inside the `with`: in a kernel, Output.__exit__ swallows exceptions (it shows
+            # the traceback and returns True), so an except outside it would never run there
             with self.output:
-                self.result = self.run_fn(**self.values)
-                (self.show_fn or show)(self.result)
-            self.status.value = "done"
-        except Exception as exc:  # noqa: BLE001 - shown to the person, never kills the kernel
-            self.error = f"{type(exc).__name__}: {exc}"
-            with self.output:
-                print(self.error if isinstance(exc, ValueError) else traceback.format_exc())
-            self.status.value = f"<span style='color:#b00'>failed: {type(exc).__name__}</span>"
+                try:
+                    self.result = self.run_fn(**self.values)
+                    (self.show_fn or show)(self.result)
+                except Exception as exc:  # noqa: BLE001 - shown to the person, never kills the kernel
+                    failed, self.error = type(exc).__name__, f"{type(exc).__name__}: {exc}"
+                    print(self.error if isinstance(exc, ValueError) else traceback.format_exc())
+            self.status.value = (f"<span style='color:#b00'>failed: {failed}</span>" if failed
+                                 else "done")
         finally:
             self.button.disabled = False
         return self.result
