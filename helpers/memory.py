@@ -1,0 +1,1134 @@
+"""Batch-size exploration under a real memory cap: the largest batch that fits, in a few probes.
+
+A *probe* runs one training step (forward, backward, optimizer step, zero_grad) at one batch size
+in a fresh forked child under a real memory budget, so that an out-of-memory error is genuine and
+never harms the caller:
+
+- on the CPU the child caps its own address space (``RLIMIT_AS``) at its baseline plus the budget,
+  after torch is loaded; torch's allocator then raises its genuine "DefaultCPUAllocator: can't
+  allocate memory" error, which accelerate's ``should_reduce_batch_size`` recognises (oneDNN is
+  turned off in the child so that every allocation goes through torch's allocator);
+- on a GPU the child limits torch's caching allocator with
+  ``torch.cuda.set_per_process_memory_fraction`` (the whole GPU when the budget is larger), and
+  torch raises its genuine "CUDA out of memory" error.
+
+Each probe records ok / out of memory, the peak memory (CPU: peak resident memory above the
+child's baseline; GPU: ``torch.cuda.max_memory_allocated``), the peak of the quantity the cap
+limits (CPU: address space; GPU: memory reserved by the caching allocator) and its seconds.
+
+Two strategies run on the same model and budget:
+
+- ``accelerate``: accelerate's own ``find_executable_batch_size`` with its default rule (x0.9 per
+  out-of-memory error), in one child per rank, as a training script runs it. Its answer is the first
+  size that succeeded once; each rank searches alone.
+- ``search``: fits memory against batch size from the successful probes, predicts the largest
+  batch under the budget and narrows down to the boundary. Its answer fits in ``repeats`` fresh
+  processes in a row and a size at most 2% (or 1) larger was seen to fail. With several ranks every
+  rank probes each size and the ranks agree on the outcome with one ``all_reduce(MIN)``, so they
+  all end with the same answer: the largest size that fits on every rank.
+
+``explore`` runs them and returns an ``ExploreResult`` (table, plot, JSON). ``effective_batch``
+turns the answer into per-device batch sizes and accumulation steps that keep a global batch.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ctypes
+import math
+import os
+import resource
+import sys
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from helpers import models, params
+from helpers.report import ResultMixin, html_table, text_table
+
+MIB = 1 << 20
+DEFAULT_REPEATS = 3
+DEFAULT_TOLERANCE = 0.02
+DEVICES = ("auto", "cpu", "cuda")
+_M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD = -1, -3  # glibc malloc.h
+_MALLOC_THRESHOLD_BYTES = 128 * 1024  # glibc's default starting mmap threshold
+
+
+# ---------------------------------------------------------------------------------------------
+# results
+
+
+@dataclass
+class Probe:
+    """One training step at one batch size under the budget (or one accelerate attempt)."""
+
+    batch_size: int
+    ok: bool
+    peak_bytes: int | None  # CPU: peak RSS above baseline; GPU: torch.cuda.max_memory_allocated
+    seconds: float
+    capped_bytes: int | None = None  # peak of what the cap limits: CPU address space, GPU reserved
+    error: str | None = None  # the out-of-memory message when not ok
+    rank: int | None = None  # accelerate attempts: the rank that made it; None: all ranks together
+
+    def row(self) -> dict[str, Any]:
+        """The probe as a table row (MiB)."""
+        return {"batch size": self.batch_size, "fits": self.ok, "peak MiB": _mib_value(self.peak_bytes),
+                "capped MiB": _mib_value(self.capped_bytes), "seconds": round(self.seconds, 2),
+                "error": self.error or ""}
+
+    def _repr_html_(self) -> str:
+        return html_table([self.row()], highlight="fits")
+
+
+@dataclass
+class StrategyResult:
+    """What one strategy found, with every probe it made."""
+
+    strategy: str  # "search" or "accelerate"
+    found: int  # 0: nothing fits
+    probes: list[Probe]
+    budget_bytes: int
+    per_rank_found: list[int]
+    successes: int  # successful probes at ``found`` (accelerate: 1, it stops at the first)
+    confirmed: bool  # fits reliably: ``repeats`` successes in a row in fresh processes
+    failed_above: int | None  # smallest size above ``found`` seen to fail
+    seconds: float
+    note: str = ""
+
+    @property
+    def agreed(self) -> bool:
+        """True when every rank ended with the same batch size."""
+        return len(set(self.per_rank_found)) <= 1
+
+    @property
+    def tries(self) -> int:
+        """Training steps attempted (per rank; ranks run side by side)."""
+        counts = _per_rank(self.probes, len)
+        return max(counts.values(), default=0)
+
+    @property
+    def probe_sizes(self) -> int:
+        """Distinct batch sizes tried (repeats of one size count once; per rank)."""
+        counts = _per_rank(self.probes, lambda probes: len({p.batch_size for p in probes}))
+        return max(counts.values(), default=0)
+
+    def certainty(self) -> str:
+        """How sure the answer is, in words."""
+        if self.found == 0:
+            return "nothing fits"
+        text = f"fits {self.successes}/{self.successes} in fresh processes" if self.confirmed \
+            else f"succeeded {self.successes}x"
+        if self.failed_above:
+            text += f"; {self.failed_above} (+{100 * (self.failed_above / self.found - 1):.1f}%) failed"
+        return text
+
+    def entry(self) -> dict[str, Any]:
+        """The CLI's JSON entry for this strategy."""
+        from helpers.report import to_jsonable
+
+        data = to_jsonable(self)
+        data.update(tries=self.tries, probe_sizes=self.probe_sizes, agreed=self.agreed)
+        return data
+
+
+def _per_rank(probes: list[Probe], count: Callable[[list[Probe]], int]) -> dict[Any, int]:
+    groups: dict[Any, list[Probe]] = {}
+    for probe in probes:
+        groups.setdefault(probe.rank, []).append(probe)
+    return {rank: count(group) for rank, group in groups.items()}
+
+
+@dataclass
+class MemoryFit:
+    """Peak memory ~ intercept + per_sample x batch size, from successful probes."""
+
+    intercept_bytes: float
+    per_sample_bytes: float
+    points: int
+
+    def bytes_at(self, batch_size: float) -> float:
+        """Predicted peak at ``batch_size``."""
+        return self.intercept_bytes + self.per_sample_bytes * batch_size
+
+    def limit(self, budget_bytes: int) -> int | None:
+        """Largest batch size predicted to stay under ``budget_bytes`` (None: no usable slope)."""
+        if self.per_sample_bytes <= 0:
+            return None
+        return max(0, math.floor((budget_bytes - self.intercept_bytes) / self.per_sample_bytes))
+
+
+@dataclass
+class ModelCheck(ResultMixin):
+    """The model and budget checked before any probe: parameters and the model's own footprint."""
+
+    model: str
+    parameters: int
+    parameter_bytes: int
+    footprint_bytes: int  # weights + gradients + AdamW's two moments (+ buffers)
+    budget_bytes: int
+    rank_budgets_bytes: list[int]
+    num_processes: int
+    device: str
+
+    def rows(self) -> list[dict[str, Any]]:
+        """The check as table rows."""
+        return [
+            {"what": "model", "value": self.model},
+            {"what": "parameters", "value": f"{self.parameters:,}"},
+            {"what": "weights", "value": _mib(self.parameter_bytes)},
+            {"what": "weights + gradients + AdamW moments", "value": _mib(self.footprint_bytes)},
+            {"what": "budget per rank", "value": ", ".join(_mib(b) for b in self.rank_budgets_bytes)},
+            {"what": "left for activations", "value": _mib(min(self.rank_budgets_bytes)
+                                                           - self.footprint_bytes)},
+            {"what": "ranks", "value": self.num_processes},
+            {"what": "device", "value": self.device},
+        ]
+
+    def _repr_html_(self) -> str:
+        return html_table(self.rows(), ["what", "value"])
+
+    def summary(self) -> str:
+        """Plain-text table."""
+        return text_table(self.rows(), ["what", "value"])
+
+
+@dataclass
+class ExploreResult(ResultMixin):
+    """Both strategies on one model and budget: answers, probes, the memory fit."""
+
+    model: str
+    device: str
+    budget_bytes: int
+    rank_budgets_bytes: list[int]
+    starting_batch_size: int
+    num_processes: int
+    footprint_bytes: int
+    strategies: list[StrategyResult]
+    fit: MemoryFit | None
+    seconds: float
+    repeats: int = DEFAULT_REPEATS
+    tolerance: float = DEFAULT_TOLERANCE
+
+    def strategy(self, name: str) -> StrategyResult | None:
+        """The result of strategy ``name`` ("search" or "accelerate"), None when it did not run."""
+        return next((s for s in self.strategies if s.strategy == name), None)
+
+    @property
+    def search(self) -> StrategyResult | None:
+        """Our search's result."""
+        return self.strategy("search")
+
+    @property
+    def accelerate(self) -> StrategyResult | None:
+        """accelerate's ``find_executable_batch_size`` result."""
+        return self.strategy("accelerate")
+
+    @property
+    def answer(self) -> int:
+        """The batch size to use: search's answer when it ran, else accelerate's (rank 0)."""
+        chosen = self.search or self.accelerate
+        return min(chosen.per_rank_found) if chosen else 0
+
+    @property
+    def ok(self) -> bool:
+        """search found a size that fits reliably, within the tolerance of or above accelerate's
+        (when only accelerate ran: it found a size)."""
+        search, baseline = self.search, self.accelerate
+        if search is None:
+            return baseline is not None and baseline.found > 0
+        if not search.confirmed or search.found == 0:
+            return False
+        return baseline is None or search.found >= (1 - self.tolerance) * baseline.found
+
+    def entries(self) -> list[dict[str, Any]]:
+        """The CLI's JSON: one entry per strategy."""
+        return [s.entry() for s in self.strategies]
+
+    def comparison_rows(self) -> list[dict[str, Any]]:
+        """One row per strategy: answer, certainty, cost."""
+        return [{"strategy": s.strategy, "found": s.found, "certainty": s.certainty(),
+                 "sizes tried": s.probe_sizes, "steps": s.tries, "seconds": round(s.seconds, 1),
+                 "per rank": ", ".join(str(f) for f in s.per_rank_found),
+                 "ranks agree": s.agreed} for s in self.strategies]
+
+    def probe_rows(self) -> list[dict[str, Any]]:
+        """Every probe of every strategy, in order."""
+        rows = []
+        for s in self.strategies:
+            for i, p in enumerate(s.probes, 1):
+                rows.append({"strategy": s.strategy, "#": i, "rank": "all" if p.rank is None else p.rank,
+                             "batch size": p.batch_size, "fits": p.ok,
+                             "peak MiB": _mib_value(p.peak_bytes),
+                             "capped MiB": _mib_value(p.capped_bytes),
+                             "seconds": round(p.seconds, 2), "error": _short(p.error)})
+        return rows
+
+    def fit_text(self) -> str:
+        """The memory model in words."""
+        if self.fit is None:
+            return "no fit (fewer than two sizes fitted)"
+        limit = self.fit.limit(min(self.rank_budgets_bytes))
+        return (f"peak ~ {_mib(self.fit.intercept_bytes)} + {self.fit.per_sample_bytes / MIB:.3f} MiB "
+                f"x batch size (from {self.fit.points} sizes); predicted limit under "
+                f"{_mib(min(self.rank_budgets_bytes))}: {limit}")
+
+    def verdict(self) -> str:
+        """One line: the answers side by side."""
+        parts = [f"{s.strategy}: {s.found} ({s.certainty()}; {s.probe_sizes} sizes, {s.tries} steps, "
+                 f"{s.seconds:.1f} s)" for s in self.strategies]
+        return " | ".join(parts)
+
+    def summary(self) -> str:
+        """Plain-text report for the CLI."""
+        head = (f"model {self.model} on {self.device}, budget "
+                f"{', '.join(_mib(b) for b in self.rank_budgets_bytes)} per rank, "
+                f"{self.num_processes} rank(s), start {self.starting_batch_size}")
+        cols = ["strategy", "found", "certainty", "sizes tried", "steps", "seconds", "per rank",
+                "ranks agree"]
+        return "\n".join([head, "", text_table(self.comparison_rows(), cols), "", self.fit_text()])
+
+    def _repr_html_(self) -> str:
+        cols = ["strategy", "found", "certainty", "sizes tried", "steps", "seconds", "per rank",
+                "ranks agree"]
+        probe_cols = ["strategy", "#", "rank", "batch size", "fits", "peak MiB", "capped MiB",
+                      "seconds", "error"]
+        return (f"<p><b>{self.model}</b> on {self.device}; budget "
+                f"{', '.join(_mib(b) for b in self.rank_budgets_bytes)} per rank; "
+                f"{self.num_processes} rank(s); start {self.starting_batch_size}</p>"
+                + html_table(self.comparison_rows(), cols, highlight="ranks agree")
+                + f"<p>{self.fit_text()}</p>"
+                + html_table(self.probe_rows(), probe_cols, highlight="fits"))
+
+    def plot(self):
+        """Peak memory against batch size: probes, OOMs, the fit, the budget (matplotlib Figure)."""
+        import matplotlib.pyplot as plt
+
+        fig, ax = plt.subplots(figsize=(8, 4.5))
+        budget = min(self.rank_budgets_bytes) / MIB
+        _plot_search(ax, self.search, budget)
+        _plot_accelerate(ax, self.accelerate, budget)
+        if self.fit is not None:
+            xs = _geomspace(1, max(self.starting_batch_size, 2), 60)
+            ax.plot(xs, [self.fit.bytes_at(x) / MIB for x in xs], "--", color="tab:blue", alpha=0.6,
+                    label=f"fit: {self.fit.intercept_bytes / MIB:.0f} MiB + "
+                          f"{self.fit.per_sample_bytes / MIB:.2f} MiB x batch")
+        ax.axhline(budget, color="black", linewidth=1, label=f"budget {budget:.0f} MiB")
+        ax.set_xscale("log", base=2)
+        ax.set_ylim(0, budget * 1.35)
+        ax.set_xlabel("batch size per rank")
+        ax.set_ylabel("MiB above the baseline (what the cap limits)")
+        ax.set_title(f"{self.model}: memory against batch size ({self.device})")
+        ax.grid(True, alpha=0.3)
+        ax.legend(fontsize=8, loc="upper left")
+        plt.close(fig)
+        return fig
+
+
+def _plot_search(ax: Any, search: StrategyResult | None, budget_mib: float) -> None:
+    if search is None:
+        return
+    fits = [p for p in search.probes if p.ok and p.capped_bytes is not None]
+    ooms = [p for p in search.probes if not p.ok]
+    ax.scatter([p.batch_size for p in fits], [p.capped_bytes / MIB for p in fits], color="tab:blue",
+               zorder=3, label="search: fits")
+    ax.scatter([p.batch_size for p in ooms], [budget_mib * 1.05] * len(ooms), marker="x",
+               color="tab:red", zorder=3, label="search: out of memory")
+    if search.found:
+        ax.axvline(search.found, color="tab:blue", linestyle=":",
+                   label=f"search answer {search.found}")
+
+
+def _plot_accelerate(ax: Any, baseline: StrategyResult | None, budget_mib: float) -> None:
+    if baseline is None:
+        return
+    ooms = [p for p in baseline.probes if not p.ok]
+    ax.scatter([p.batch_size for p in ooms], [budget_mib * 1.2] * len(ooms), marker="|", s=80,
+               color="tab:orange", label=f"accelerate: out of memory ({len(ooms)}x, x0.9 each)")
+    if baseline.found:
+        ax.axvline(baseline.found, color="tab:orange", linestyle=":",
+                   label=f"accelerate answer {baseline.found}")
+
+
+def _geomspace(low: float, high: float, count: int) -> list[float]:
+    ratio = (high / low) ** (1 / (count - 1))
+    return [low * ratio ** i for i in range(count)]
+
+
+def _mib(value: float) -> str:
+    return f"{value / MIB:.1f} MiB"
+
+
+def _mib_value(value: int | None) -> float | None:
+    return None if value is None else round(value / MIB, 1)
+
+
+def _short(text: str | None, limit: int = 90) -> str:
+    if not text:
+        return ""
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+# ---------------------------------------------------------------------------------------------
+# checking the inputs (before any process starts)
+
+
+def resolve_device(device: str, num_processes: int) -> str:
+    """'cpu' or 'cuda'. 'auto' picks CUDA when NVML sees a GPU per rank; never initialises CUDA.
+
+    Raises ValueError when 'cuda' is asked for where it is not available.
+    """
+    from helpers.launch import default_backend
+
+    if device not in DEVICES:
+        raise ValueError(f"device must be one of {', '.join(map(repr, DEVICES))}; got {device!r}")
+    has_gpus = default_backend(num_processes) == "nccl"
+    if device == "cuda" and not has_gpus:
+        raise ValueError(f"device='cuda' is not available here: NVML finds no NVIDIA GPU for each of "
+                         f"the {num_processes} rank(s) on this machine; use device='cpu' (a real "
+                         f"address-space cap) or run where GPUs are")
+    if device == "auto":
+        return "cuda" if has_gpus else "cpu"
+    return device
+
+
+def _rank_budgets(memory_budget_mib: int, num_processes: int,
+                  rank_budgets_mib: Sequence[int] | None) -> list[int]:
+    if rank_budgets_mib is None:
+        return [memory_budget_mib * MIB] * num_processes
+    if len(rank_budgets_mib) != num_processes:
+        raise ValueError(f"rank_budgets_mib must list one budget per rank ({num_processes}); "
+                         f"got {len(rank_budgets_mib)}")
+    return [params.check("memory_budget_mib", value) * MIB for value in rank_budgets_mib]
+
+
+def _prepare(model: str, memory_budget_mib: int, num_processes: int,
+             rank_budgets_mib: Sequence[int] | None, device: str) -> tuple[ModelCheck, models.Factory]:
+    cfg = params.validate(model=model, memory_budget_mib=memory_budget_mib,
+                          num_processes=num_processes)
+    budgets = _rank_budgets(cfg.memory_budget_mib, cfg.num_processes, rank_budgets_mib)
+    device = resolve_device(device, cfg.num_processes)
+    factory = models.load(cfg.model)
+    size = models.footprint(factory, cfg.model)
+    if size.training_bytes >= min(budgets):
+        raise ValueError(
+            f"memory_budget_mib={min(budgets) // MIB} is below the model's own footprint: {cfg.model!r} "
+            f"has {size.parameters:,} parameters ({_mib(size.parameter_bytes)}); with its gradients "
+            f"and AdamW's two moment buffers it needs {_mib(size.training_bytes)} before any "
+            f"activation. Use memory_budget_mib of at least {size.training_bytes // MIB + 16}.")
+    if device == "cpu":
+        _check_machine_memory(budgets)
+    check = ModelCheck(cfg.model, size.parameters, size.parameter_bytes, size.training_bytes,
+                       min(budgets), budgets, cfg.num_processes, device)
+    return check, factory
+
+
+def _check_machine_memory(budgets: list[int]) -> None:
+    import psutil
+
+    available = psutil.virtual_memory().available
+    if sum(budgets) > available:
+        raise ValueError(
+            f"memory_budget_mib: {len(budgets)} rank(s) with {', '.join(_mib(b) for b in budgets)} "
+            f"need more than this machine's available memory ({_mib(available)}); the cap would not "
+            f"be what stops the run. Lower memory_budget_mib or num_processes.")
+
+
+def check_model(model: str = "mlp", memory_budget_mib: int = 512, num_processes: int = 1, *,
+                rank_budgets_mib: Sequence[int] | None = None, device: str = "auto") -> ModelCheck:
+    """Check the model and the budget before any probe; one clear ValueError for each bad input.
+
+    Errors name the parameter: an unknown model name, a missing file or function, a budget below
+    the model's own footprint (weights, gradients, AdamW's moments), a budget the machine lacks.
+    """
+    return _prepare(model, memory_budget_mib, num_processes, rank_budgets_mib, device)[0]
+
+
+# ---------------------------------------------------------------------------------------------
+# inside a probe's child: the cap, the step, the outcome
+
+
+def _proc_status() -> dict[str, int]:
+    wanted = ("VmPeak", "VmSize", "VmHWM", "VmRSS")
+    values = {}
+    with open("/proc/self/status") as handle:
+        for line in handle:
+            key, _, rest = line.partition(":")
+            if key in wanted:
+                values[key] = int(rest.split()[0]) * 1024
+    return values
+
+
+class _MallInfo2(ctypes.Structure):
+    _fields_ = [(name, ctypes.c_size_t) for name in
+                ("arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks", "fsmblks", "uordblks",
+                 "fordblks", "keepcost")]
+
+
+def _steady_malloc() -> int:
+    """Make glibc's malloc account for memory the same way in every probe; return the free heap
+    bytes this process inherited (usable without growing the address space).
+
+    By default glibc raises its mmap threshold as large blocks are freed (up to 32 MiB) and keeps
+    freed blocks below it in the heap, so how much address space a step takes depends on what the
+    process did before: on the caller's history for a forked child, on earlier attempts for
+    accelerate's loop. Fixing the threshold at 128 KiB makes every large tensor its own mapping,
+    returned on free: the address space then follows the live tensors. No-op without glibc.
+    """
+    try:
+        libc = ctypes.CDLL(None)
+        mallopt, trim, mallinfo2 = libc.mallopt, libc.malloc_trim, libc.mallinfo2
+    except (OSError, AttributeError):
+        return 0
+    mallopt(_M_MMAP_THRESHOLD, _MALLOC_THRESHOLD_BYTES)
+    mallopt(_M_TRIM_THRESHOLD, _MALLOC_THRESHOLD_BYTES)
+    trim(0)
+    mallinfo2.restype = _MallInfo2
+    return int(mallinfo2().fordblks)
+
+
+class CpuCap:
+    """Caps this process's address space at its current size plus ``budget_bytes`` (RLIMIT_AS).
+
+    Set after torch is loaded (forked children inherit it), so the budget covers the model, the
+    optimizer state and the activations, not the libraries. Free heap memory inherited from the
+    caller is taken off the limit, as it can be used without growing the address space.
+    ``release()`` restores the old limit.
+    """
+
+    def __init__(self, budget_bytes: int):
+        self.inherited_free = _steady_malloc()
+        status = _proc_status()
+        self.base_vm, self.base_rss = status["VmSize"], status["VmRSS"]
+        self.old = resource.getrlimit(resource.RLIMIT_AS)
+        hard = self.old[1]
+        limit = self.base_vm + budget_bytes - self.inherited_free
+        if hard != resource.RLIM_INFINITY:
+            limit = min(limit, hard)
+        resource.setrlimit(resource.RLIMIT_AS, (limit, hard))
+        self.vm_valid = True  # VmPeak counts from the fork (the kernel resets it there)
+        self.rss_valid = self._reset_rss_peak()
+
+    @staticmethod
+    def _reset_rss_peak() -> bool:
+        try:
+            with open("/proc/self/clear_refs", "w") as handle:
+                handle.write("5")  # reset the peak RSS (VmHWM) to the current RSS (Linux >= 4.0)
+            return True
+        except OSError:
+            return False
+
+    def reset_peak(self) -> None:
+        """Start a new peak (between accelerate's attempts); the address-space peak cannot be reset."""
+        self.rss_valid = self._reset_rss_peak()
+        self.vm_valid = False
+
+    def peaks(self) -> tuple[int | None, int | None]:
+        """(peak RSS above baseline, peak address space above baseline); None where unknown."""
+        status = _proc_status()
+        rss = status["VmHWM"] - self.base_rss if self.rss_valid else None
+        vm = status["VmPeak"] - self.base_vm if self.vm_valid else None
+        return rss, vm
+
+    def release(self) -> None:
+        """Restore the limit this process had before."""
+        resource.setrlimit(resource.RLIMIT_AS, self.old)
+
+
+class CudaCap:
+    """Limits torch's caching allocator on this rank's GPU to ``budget_bytes``.
+
+    ``torch.cuda.set_per_process_memory_fraction(budget / total)``: the whole GPU when the budget
+    is larger. Runs in a forked child only: the caller never initialises CUDA.
+    """
+
+    def __init__(self, budget_bytes: int):
+        import torch
+
+        self.index = int(os.environ.get("LOCAL_RANK", "0"))
+        torch.cuda.set_device(self.index)
+        total = torch.cuda.get_device_properties(self.index).total_memory
+        torch.cuda.set_per_process_memory_fraction(min(1.0, budget_bytes / total), self.index)
+        torch.cuda.reset_peak_memory_stats(self.index)
+        self.base_allocated = torch.cuda.memory_allocated(self.index)
+        self.base_reserved = torch.cuda.memory_reserved(self.index)
+
+    def reset_peak(self) -> None:
+        """Start a new peak (between accelerate's attempts)."""
+        import torch
+
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats(self.index)
+
+    def peaks(self) -> tuple[int | None, int | None]:
+        """(max_memory_allocated, max_memory_reserved) above the baseline."""
+        import torch
+
+        return (torch.cuda.max_memory_allocated(self.index) - self.base_allocated,
+                torch.cuda.max_memory_reserved(self.index) - self.base_reserved)
+
+    def release(self) -> None:
+        """Lift the limit again."""
+        import torch
+
+        torch.cuda.set_per_process_memory_fraction(1.0, self.index)
+
+
+def _cap(device: str, budget_bytes: int) -> CpuCap | CudaCap:
+    if device == "cuda":
+        return CudaCap(budget_bytes)
+    _only_torch_allocates()
+    return CpuCap(budget_bytes)
+
+
+def _only_torch_allocates() -> None:
+    """Turn oneDNN off in this (child) process, so every allocation goes through torch's allocator.
+
+    oneDNN allocates some buffers itself: under a cap its convolutions then fail with "could not
+    create a primitive", an error accelerate's ``should_reduce_batch_size`` does not recognise, and
+    their memory varies from run to run. On a GPU every allocation goes through torch's allocator.
+    """
+    import torch
+
+    torch.backends.mkldnn.enabled = False
+
+
+def is_out_of_memory(exc: BaseException) -> bool:
+    """True for memory exhaustion: what accelerate's ``should_reduce_batch_size`` recognises, plus
+    Python's MemoryError and C++'s bad_alloc, which a cap can also produce."""
+    from accelerate.utils.memory import should_reduce_batch_size
+
+    if isinstance(exc, Exception) and should_reduce_batch_size(exc):
+        return True
+    text = str(exc)
+    return isinstance(exc, MemoryError) or "bad_alloc" in text or "can't allocate memory" in text
+
+
+def _describe(exc: BaseException) -> str:
+    first = (str(exc).strip().splitlines() or [""])[0]
+    return f"{type(exc).__name__}: {first}"
+
+
+def _to_device(batch: Any, device: str) -> Any:
+    if device == "cpu":
+        return batch
+    if isinstance(batch, dict):
+        return {k: _to_device(v, device) for k, v in batch.items()}
+    if isinstance(batch, (tuple, list)):
+        return type(batch)(_to_device(v, device) for v in batch)
+    return batch.to(device) if hasattr(batch, "to") else batch
+
+
+def train_step(factory: models.Factory, text: str, batch_size: int, device: str = "cpu") -> None:
+    """Build the model, then one training step at ``batch_size``: forward, backward, AdamW step,
+    zero_grad. The optimizer's state is created first (zero gradients, one step) so the step sees
+    the memory of a steady training step, where AdamW's moments already exist."""
+    import torch
+
+    model, make_batch = models.unpack(factory(), text)
+    model.to(device).train()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    for parameter in model.parameters():
+        parameter.grad = torch.zeros_like(parameter)
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+    batch = _to_device(make_batch(batch_size), device)
+    loss = models.loss_of(models.call(model, batch))
+    loss.backward()
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+
+
+def _rank() -> int:
+    return int(os.environ.get("RANK", "0"))
+
+
+def _agree(ok: bool, device: str) -> bool:
+    """The one collective: all_reduce(MIN) of the outcome, so every rank learns if any failed."""
+    import torch
+    import torch.distributed as dist
+
+    flag = torch.tensor([1 if ok else 0], device="cuda" if device == "cuda" else "cpu")
+    dist.all_reduce(flag, op=dist.ReduceOp.MIN)
+    return bool(flag.item())
+
+
+def probe_rank(factory: models.Factory, text: str, batch_size: int, budgets: list[int],
+               device: str) -> dict[str, Any]:
+    """In a rank: one training step under this rank's budget; then agree with the other ranks.
+
+    Out-of-memory errors become ``ok=False``; any other error propagates (the model is broken).
+    """
+    cap = _cap(device, budgets[_rank()])
+    started = time.perf_counter()
+    error = None
+    try:
+        try:
+            train_step(factory, text, batch_size, device)
+        except Exception as exc:  # noqa: BLE001 - classified just below
+            if not is_out_of_memory(exc):
+                raise
+            error = _describe(exc)
+        seconds = time.perf_counter() - started
+        peak, capped = cap.peaks()
+    finally:
+        cap.release()
+    ok = error is None
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    agreed = _agree(ok, device) if world > 1 else ok
+    return {"rank": _rank(), "ok": ok, "agreed": agreed, "peak": peak, "capped": capped,
+            "seconds": seconds, "error": error}
+
+
+def accelerate_rank(factory: models.Factory, text: str, start: int, budgets: list[int],
+                    device: str) -> dict[str, Any]:
+    """In a rank: accelerate's ``find_executable_batch_size`` from ``start``, under the budget.
+
+    Every attempt builds the model and runs the same training step as a probe, in this one
+    process, as a training script does. Returns the answer and every attempt.
+    """
+    from accelerate.utils import find_executable_batch_size
+
+    rank = _rank()
+    cap = _cap(device, budgets[rank])
+    attempts: list[dict[str, Any]] = []
+
+    def train(batch_size: int) -> int:
+        cap.reset_peak()
+        started = time.perf_counter()
+        try:
+            train_step(factory, text, batch_size, device)
+        except Exception as exc:
+            attempts.append(_attempt(batch_size, cap, started, _describe(exc)))
+            raise
+        attempts.append(_attempt(batch_size, cap, started, None))
+        return batch_size
+
+    note = ""
+    try:
+        found = find_executable_batch_size(train, starting_batch_size=start)()
+    except Exception as exc:  # noqa: BLE001 - what accelerate gives up with is the finding
+        found, note = 0, _gave_up(exc)
+    finally:
+        cap.release()
+    return {"rank": rank, "found": found, "attempts": attempts, "note": note}
+
+
+def _attempt(batch_size: int, cap: CpuCap | CudaCap, started: float, error: str | None) -> dict:
+    peak, _ = cap.peaks()
+    return {"batch_size": batch_size, "ok": error is None, "peak": peak,
+            "seconds": time.perf_counter() - started, "error": error}
+
+
+def _gave_up(exc: Exception) -> str:
+    from accelerate.utils.memory import should_reduce_batch_size
+
+    if "No executable batch size found" in str(exc):
+        return f"accelerate gave up: {exc}"
+    if is_out_of_memory(exc) and not should_reduce_batch_size(exc):
+        return (f"accelerate stopped: {_describe(exc)} is not an error its should_reduce_batch_size "
+                f"recognises, so it re-raised it instead of retrying")
+    raise exc
+
+
+# ---------------------------------------------------------------------------------------------
+# in the caller: running probes and strategies
+
+
+class ProbeError(RuntimeError):
+    """A probe failed for a reason other than memory (the model or its batch is broken)."""
+
+
+@dataclass
+class _Setup:
+    check: ModelCheck
+    factory: models.Factory
+    timeout_s: float
+
+    @property
+    def budgets(self) -> list[int]:
+        return self.check.rank_budgets_bytes
+
+
+def warm_up() -> None:
+    """Load, once in the caller, what a first training step imports lazily (torch's optimizer
+    machinery pulls in hundreds of modules, ~1 s): forked probes then share it and their baseline
+    holds libraries only. CPU only: the caller never touches CUDA. Like any first optimizer step,
+    it imports torch._dynamo, which creates torch's per-user cache folder (``torchinductor_<user>``
+    in the temp folder) when it does not exist yet."""
+    import accelerate.utils.memory  # noqa: F401 - imported by every probe
+    import torch
+
+    layer = torch.nn.Linear(2, 2)
+    optimizer = torch.optim.AdamW(layer.parameters())
+    layer(torch.zeros(1, 2)).mean().backward()
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+
+
+def _launch(setup: _Setup, fn: Callable[..., Any], args: tuple) -> list[Any]:
+    from helpers.launch import RankError, launch
+
+    n = setup.check.num_processes
+    try:
+        return launch(fn, args, num_processes=n, init_group=n > 1, timeout_s=setup.timeout_s)
+    except RankError as exc:
+        raise ProbeError(f"the training step of {setup.check.model!r} failed for a reason other "
+                         f"than memory (rank {exc.rank}: {exc.exc_type}: {exc.exc_message})") from exc
+
+
+def _probe_once(setup: _Setup, batch_size: int) -> Probe:
+    per_rank = _launch(setup, probe_rank, (setup.factory, setup.check.model, batch_size,
+                                            setup.budgets, setup.check.device))
+    ok = all(r["ok"] for r in per_rank)
+    if any(r["agreed"] != ok for r in per_rank):
+        raise RuntimeError(f"ranks disagree after all_reduce(MIN): {per_rank}")
+    errors = [f"rank {r['rank']}: {r['error']}" if len(per_rank) > 1 else r["error"]
+              for r in per_rank if r["error"]]
+    return Probe(batch_size, ok, _max(r["peak"] for r in per_rank),
+                 max(r["seconds"] for r in per_rank), _max(r["capped"] for r in per_rank),
+                 "; ".join(errors) or None)
+
+
+def _max(values: Any) -> int | None:
+    known = [v for v in values if v is not None]
+    return max(known) if known else None
+
+
+def probe(model: str = "mlp", batch_size: int = 64, memory_budget_mib: int = 512,
+          num_processes: int = 1, *, rank_budgets_mib: Sequence[int] | None = None,
+          device: str = "auto", timeout_s: float = 300.0) -> Probe:
+    """One training step at ``batch_size`` under the budget, in fresh child process(es).
+
+    An out-of-memory error gives ``ok=False`` with torch's genuine message; the caller is never
+    harmed. Bad inputs raise ValueError before any process starts; ProbeError when the step fails
+    for a reason other than memory.
+    """
+    batch_size = _positive("batch_size", batch_size)
+    setup = _setup(model, memory_budget_mib, num_processes, rank_budgets_mib, device, timeout_s)
+    warm_up()
+    return _probe_once(setup, batch_size)
+
+
+def _setup(model, memory_budget_mib, num_processes, rank_budgets_mib, device, timeout_s) -> _Setup:
+    timeout_s = params.check("timeout_s", timeout_s)
+    check, factory = _prepare(model, memory_budget_mib, num_processes, rank_budgets_mib, device)
+    return _Setup(check, factory, timeout_s)
+
+
+def run_accelerate(setup: _Setup, start: int) -> StrategyResult:
+    """accelerate's ``find_executable_batch_size`` in every rank (each searching alone)."""
+    started = time.monotonic()
+    per_rank = _launch(setup, accelerate_rank, (setup.factory, setup.check.model, start,
+                                                 setup.budgets, setup.check.device))
+    probes = [Probe(a["batch_size"], a["ok"], a["peak"], a["seconds"], None, a["error"], r["rank"])
+              for r in per_rank for a in r["attempts"]]
+    found = per_rank[0]["found"]
+    notes = sorted({f"rank {r['rank']}: {r['note']}" for r in per_rank if r["note"]})
+    return StrategyResult("accelerate", found, probes, min(setup.budgets),
+                          [r["found"] for r in per_rank], successes=1 if found else 0,
+                          confirmed=False, failed_above=_failed_above(probes, found),
+                          seconds=time.monotonic() - started, note="; ".join(notes))
+
+
+def _failed_above(probes: list[Probe], found: int) -> int | None:
+    above = [p.batch_size for p in probes if not p.ok and p.batch_size > found]
+    return min(above) if above else None
+
+
+class Search:
+    """Our search: fit memory against batch size, predict the limit, narrow down to the boundary.
+
+    ``measure(batch_size) -> Probe`` runs one probe. The answer fits ``repeats`` times in a row and
+    a size at most ``tolerance`` (or 1) larger was seen to fail; or it is ``start`` itself, when
+    the start fits reliably; or 0 when batch size 1 does not fit.
+    """
+
+    def __init__(self, measure: Callable[[int], Probe], start: int, budget_bytes: int,
+                 repeats: int = DEFAULT_REPEATS, tolerance: float = DEFAULT_TOLERANCE):
+        self.measure, self.start, self.budget = measure, start, budget_bytes
+        self.repeats, self.tolerance = repeats, tolerance
+        self.probes: list[Probe] = []
+        self.outcomes: dict[int, list[bool]] = {}
+        self.overshot = False
+        self.undershot = 0
+
+    def run(self) -> tuple[int, str]:
+        """Search; return (answer, note)."""
+        nothing = "even batch size 1 runs out of memory under this budget"
+        if self._try(self.start) and self._confirm(self.start):
+            return self.start, "the starting batch size fits reliably; a larger one may fit too"
+        if self.start == 1 or not self._try(1):
+            return 0, nothing
+        while True:
+            lo, hi = self._bracket()
+            if lo == 0:
+                return 0, nothing
+            if hi - lo <= self.gap(lo):
+                if self._confirm(lo):
+                    return lo, ""
+                continue  # lo failed a repeat: it joins the failures, narrow again
+            self._try(self._next(lo, hi))
+
+    def gap(self, size: int) -> int:
+        """The largest step above ``size`` that still certifies the boundary (2%, at least 1)."""
+        return max(1, math.floor(size * self.tolerance))
+
+    def _try(self, batch_size: int) -> bool:
+        probe = self.measure(batch_size)
+        self.probes.append(probe)
+        self.outcomes.setdefault(batch_size, []).append(probe.ok)
+        return probe.ok
+
+    def _confirm(self, size: int) -> bool:
+        while self.outcomes[size].count(True) < self.repeats:
+            if not self._try(size):
+                return False
+        return True
+
+    def _bracket(self) -> tuple[int, int]:
+        """(largest size that never failed below the smallest failure, smallest failure)."""
+        hi = min(size for size, seen in self.outcomes.items() if not all(seen))
+        good = [size for size, seen in self.outcomes.items() if all(seen) and size < hi]
+        return max(good, default=0), hi
+
+    def fit(self) -> MemoryFit | None:
+        """Least-squares line through the largest three sizes that fitted."""
+        return fit_memory(self.probes)
+
+    def _next(self, lo: int, hi: int) -> int:
+        fit = self.fit()
+        limit = fit.limit(self.budget) if fit else None
+        gap = self.gap(lo)
+        if limit is None:
+            candidate = _middle(lo, hi)
+        elif limit >= hi:  # the fit overshoots: just below the failure once, then halve
+            candidate = hi - self.gap(hi) if not self.overshot else _middle(lo, hi)
+            self.overshot = True
+        elif limit - lo <= gap:  # lo is at (or past) the predicted limit: test the size that
+            # certifies it; when such tests keep succeeding the fit is off: halve instead
+            candidate = lo + gap if self.undershot < 2 else _middle(lo, hi)
+            self.undershot += 1
+        else:
+            candidate = max(lo + gap, math.floor(limit * (1 - self.tolerance / 2)))
+        return min(max(candidate, lo + 1), hi - 1)
+
+
+def _middle(lo: int, hi: int) -> int:
+    if lo >= 1 and hi > 4 * lo:
+        return round(math.sqrt(lo * hi))
+    return (lo + hi) // 2
+
+
+def fit_memory(probes: Sequence[Probe], largest: int = 3) -> MemoryFit | None:
+    """Fit capped peak against batch size through the ``largest`` biggest sizes that fitted."""
+    best: dict[int, int] = {}
+    for p in probes:
+        if p.ok and p.capped_bytes is not None and p.rank is None:
+            best[p.batch_size] = max(best.get(p.batch_size, 0), p.capped_bytes)
+    sizes = sorted(best)[-largest:]
+    if len(sizes) < 2:
+        return None
+    xs, ys = sizes, [best[s] for s in sizes]
+    mx, my = sum(xs) / len(xs), sum(ys) / len(ys)
+    sxx = sum((x - mx) ** 2 for x in xs)
+    slope = sum((x - mx) * (y - my) for x, y in zip(xs, ys, strict=True)) / sxx
+    return MemoryFit(my - slope * mx, slope, len(sizes))
+
+
+def run_search(setup: _Setup, start: int, repeats: int = DEFAULT_REPEATS,
+               tolerance: float = DEFAULT_TOLERANCE) -> StrategyResult:
+    """Our search, every rank probing each size and agreeing on the outcome."""
+    started = time.monotonic()
+    search = Search(lambda size: _probe_once(setup, size), start, min(setup.budgets), repeats,
+                    tolerance)
+    found, note = search.run()
+    successes = search.outcomes.get(found, []).count(True) if found else 0
+    return StrategyResult("search", found, search.probes, min(setup.budgets),
+                          [found] * setup.check.num_processes, successes,
+                          confirmed=found > 0 and successes >= repeats,
+                          failed_above=_failed_above(search.probes, found),
+                          seconds=time.monotonic() - started, note=note)
+
+
+def explore(model: str = "mlp", memory_budget_mib: int = 512, starting_batch_size: int = 4096,
+            strategy: str = "both", num_processes: int = 1, *,
+            rank_budgets_mib: Sequence[int] | None = None, repeats: int = DEFAULT_REPEATS,
+            tolerance: float = DEFAULT_TOLERANCE, device: str = "auto",
+            timeout_s: float = 300.0) -> ExploreResult:
+    """Find the largest batch size that fits the budget, with accelerate's rule and/or ours.
+
+    ``rank_budgets_mib`` gives each rank its own budget (one card with less free memory);
+    by default every rank has ``memory_budget_mib``. ``timeout_s`` bounds each launch (one probe,
+    or accelerate's whole search). Bad inputs raise ValueError before any process starts.
+    """
+    starting_batch_size = params.check("starting_batch_size", starting_batch_size)
+    strategy = params.check("strategy", strategy)
+    if not (isinstance(repeats, int) and repeats >= 1):
+        raise ValueError(f"repeats must be an integer >= 1; got {repeats!r}")
+    if not (isinstance(tolerance, (int, float)) and 0 <= tolerance < 1):
+        raise ValueError(f"tolerance must be a number in 0..1; got {tolerance!r}")
+    setup = _setup(model, memory_budget_mib, num_processes, rank_budgets_mib, device, timeout_s)
+    warm_up()
+    started = time.monotonic()
+    results = []
+    if strategy in ("accelerate", "both"):
+        results.append(run_accelerate(setup, starting_batch_size))
+    if strategy in ("search", "both"):
+        results.append(run_search(setup, starting_batch_size, repeats, tolerance))
+    search = next((r for r in results if r.strategy == "search"), None)
+    check = setup.check
+    return ExploreResult(check.model, check.device, check.budget_bytes, check.rank_budgets_bytes,
+                         starting_batch_size, check.num_processes, check.footprint_bytes, results,
+                         fit_memory(search.probes) if search else None,
+                         time.monotonic() - started, repeats, tolerance)
+
+
+def across_ranks(model: str = "mlp", memory_budget_mib: int = 128, starting_batch_size: int = 1024,
+                 num_processes: int = 2, *, shortfall: float = 0.1, timeout_s: float = 300.0,
+                 device: str = "auto") -> ExploreResult:
+    """Both strategies on ``num_processes`` ranks where the last rank has ``shortfall`` less memory
+    (as when another process holds memory on one GPU): accelerate's ranks each search alone and
+    can end with different batch sizes; ours agree on the minimum with one collective per probe."""
+    num_processes = params.check("num_processes", num_processes)
+    budget = params.check("memory_budget_mib", memory_budget_mib)
+    if not (isinstance(shortfall, (int, float)) and 0 <= shortfall < 1):
+        raise ValueError(f"shortfall must be a number in 0..1; got {shortfall!r}")
+    budgets = [budget] * (num_processes - 1) + [max(16, round(budget * (1 - shortfall)))]
+    return explore(model, budget, starting_batch_size, "both", num_processes,
+                   rank_budgets_mib=budgets, timeout_s=timeout_s, device=device)
+
+
+def budget_choices(current: int) -> list[int]:
+    """Budgets offered by the notebook's panel (MiB), including the current one."""
+    return sorted({64, 128, 256, 512, 1024, 2048, current})
+
+
+def model_choices(current: str) -> list[str]:
+    """Models offered by the notebook's panel: the built-in ones and the current one."""
+    return list(dict.fromkeys([*models.BUILTIN, current]))
+
+
+# ---------------------------------------------------------------------------------------------
+# effective batch size
+
+
+@dataclass
+class BatchPlan:
+    """Per-device batch and accumulation steps for a number of devices."""
+
+    devices: int
+    per_device_batch_size: int
+    accumulation_steps: int
+    global_batch_size: int
+    keeps_global: bool
+
+
+@dataclass
+class EffectiveBatchAdvice(ResultMixin):
+    """How to keep a reference run's global batch on other device counts."""
+
+    reference_per_device: int
+    reference_devices: int
+    reference_accumulation: int
+    max_per_device: int
+    plans: list[BatchPlan] = field(default_factory=list)
+
+    @property
+    def reference_global(self) -> int:
+        """per-device batch x devices x accumulation steps."""
+        return self.reference_per_device * self.reference_devices * self.reference_accumulation
+
+    def rows(self) -> list[dict[str, Any]]:
+        """One row per device count."""
+        return [{"devices": p.devices, "per-device batch": p.per_device_batch_size,
+                 "accumulation steps": p.accumulation_steps, "global batch": p.global_batch_size,
+                 "keeps global": p.keeps_global,
+                 "learning rate": "unchanged" if p.keeps_global else
+                 f"x{p.global_batch_size / self.reference_global:.3g} (linear rule) or re-tune"}
+                for p in self.plans]
+
+    def note(self) -> str:
+        """The reference in words."""
+        return (f"reference: {self.reference_per_device} per device x {self.reference_devices} "
+                f"device(s) x {self.reference_accumulation} accumulation step(s) = global batch "
+                f"{self.reference_global}; at most {self.max_per_device} fits per device")
+
+    def _repr_html_(self) -> str:
+        return f"<p>{self.note()}</p>" + html_table(self.rows(), highlight="keeps global")
+
+    def summary(self) -> str:
+        """Plain-text table."""
+        return self.note() + "\n" + text_table(self.rows())
+
+
+def _positive(name: str, value: Any) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"{name} must be an integer >= 1; got {value!r}")
+    return value
+
+
+def plan_devices(global_batch: int, devices: int, max_per_device: int) -> BatchPlan:
+    """Per-device batch and accumulation for ``devices`` that keep ``global_batch`` if possible:
+    the fewest accumulation steps whose per-device batch divides exactly and fits."""
+    for steps in range(1, global_batch + 1):
+        per_device, rest = divmod(global_batch, devices * steps)
+        if per_device == 0:
+            break
+        if rest == 0 and per_device <= max_per_device:
+            return BatchPlan(devices, per_device, steps, global_batch, True)
+    per_device = max(1, min(max_per_device, global_batch // devices))
+    steps = max(1, round(global_batch / (devices * per_device)))
+    return BatchPlan(devices, per_device, steps, per_device * devices * steps, False)
+
+
+def effective_batch(per_device_batch_size: int, devices: int = 1, accumulation_steps: int = 1, *,
+                    max_per_device: int, targets: Sequence[int] = (1, 2, 4, 8)) -> EffectiveBatchAdvice:
+    """Keep the global batch (per-device batch x devices x accumulation steps) of a reference run
+    on each device count in ``targets``, with at most ``max_per_device`` per device."""
+    advice = EffectiveBatchAdvice(_positive("per_device_batch_size", per_device_batch_size),
+                                  _positive("devices", devices),
+                                  _positive("accumulation_steps", accumulation_steps),
+                                  _positive("max_per_device", max_per_device))
+    for target in targets:
+        advice.plans.append(plan_devices(advice.reference_global, _positive("targets", target),
+                                         advice.max_per_device))
+    return advice
+
+
+# ---------------------------------------------------------------------------------------------
+# command line
+
+
+def cli_main(argv: list[str]) -> int:
+    """``python -m helpers batch-size --model M --memory-budget-mib B ...``: exit 0 found a size,
+    1 nothing fits or the step failed, 2 bad usage."""
+    from helpers import cli, report
+
+    parser = argparse.ArgumentParser(prog="python -m helpers batch-size",
+                                     description="Find the largest batch size that fits a memory "
+                                                 "budget: accelerate's rule and ours, side by side.")
+    cli.add_param(parser, "model", None, required=True)
+    cli.add_param(parser, "memory_budget_mib", None, required=True)
+    cli.add_param(parser, "starting_batch_size", 4096)
+    cli.add_param(parser, "strategy", "both")
+    cli.add_param(parser, "num_processes", 1)
+    parser.add_argument("--json", metavar="PATH", help="write one JSON entry per strategy to PATH")
+    try:
+        args = parser.parse_args(argv)
+    except SystemExit as exc:
+        return cli.EXIT_OK if exc.code in (0, None) else cli.EXIT_USAGE
+    try:
+        result = explore(args.model, args.memory_budget_mib, args.starting_batch_size,
+                         args.strategy, args.num_processes)
+    except ValueError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return cli.EXIT_USAGE
+    except ProbeError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return cli.EXIT_PROBLEM
+    print(result.summary())
+    if args.json:
+        report.atomic_write_json(args.json, result.entries())
+    found = all(s.found > 0 for s in result.strategies)
+    return cli.EXIT_OK if found else cli.EXIT_PROBLEM

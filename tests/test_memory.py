@@ -1,0 +1,220 @@
+"""The batch-size explorer: real OOMs under a real cap, both strategies, ranks, inputs, CLI.
+
+Small budgets keep each probe fast: the built-in mlp needs about 2 MiB per sample, so under
+64 MiB its limit is near 31 and a start of 512 is about 16x above it.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import random
+import resource
+from pathlib import Path
+
+import pytest
+from accelerate.utils.memory import should_reduce_batch_size
+
+from helpers import cli, memory
+from helpers.launch import default_backend
+
+FIXTURE = Path(__file__).parent / "fixtures" / "memory" / "user_model.py"
+BUDGET = 64
+START = 512
+MIB = 1 << 20
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _torch_optimizer_loaded():
+    """The explorer loads torch's optimizer machinery in the caller once (memory.warm_up); its
+    import creates torch's per-user cache folder, which is torch's, not a leftover of a test."""
+    memory.warm_up()
+
+
+def _genuine(error: str) -> RuntimeError:
+    """The child's error rebuilt as the exception it was (type prefix removed)."""
+    kind, _, message = error.partition(": ")
+    assert kind == "RuntimeError", error
+    return RuntimeError(message)
+
+
+def test_probe_fits_then_really_runs_out_of_memory_without_harming_the_caller(leftovers):
+    limit_before = resource.getrlimit(resource.RLIMIT_AS)
+    fits = memory.probe("mlp", 8, BUDGET)
+    assert fits.ok and fits.error is None
+    assert 8 * MIB < fits.capped_bytes < BUDGET * MIB  # ~2 MiB per sample, under the cap
+    assert fits.peak_bytes > 0 and fits.seconds > 0
+
+    oom = memory.probe("mlp", START, BUDGET)
+    assert not oom.ok
+    assert "DefaultCPUAllocator: can't allocate memory" in oom.error
+    assert should_reduce_batch_size(_genuine(oom.error)), "accelerate must recognise the error"
+    assert oom.capped_bytes <= BUDGET * MIB
+    assert resource.getrlimit(resource.RLIMIT_AS) == limit_before, "the caller's limit changed"
+    leftovers.check()
+
+
+def test_both_strategies_on_one_rank(leftovers):
+    result = memory.explore("mlp", BUDGET, START, "both")
+    search, baseline = result.search, result.accelerate
+
+    # accelerate: its real find_executable_batch_size, x0.9 per OOM, first success wins
+    sizes = [p.batch_size for p in baseline.probes]
+    assert sizes[0] == START
+    assert all(b == int(a * 0.9) for a, b in zip(sizes, sizes[1:], strict=False))
+    assert [p.ok for p in baseline.probes] == [False] * (len(sizes) - 1) + [True]
+    assert baseline.found == sizes[-1] and baseline.per_rank_found == [sizes[-1]]
+    assert all("DefaultCPUAllocator" in p.error for p in baseline.probes[:-1])
+
+    # search: fits 3 times in a row, a size at most 2% (or 1) larger failed, few sizes
+    assert search.confirmed and search.successes == 3
+    assert search.failed_above <= search.found + max(1, math.floor(0.02 * search.found))
+    assert search.probe_sizes <= 8, [p.batch_size for p in search.probes]
+    assert search.found >= 0.98 * baseline.found
+    assert result.ok and result.answer == search.found
+    assert result.fit.per_sample_bytes > 0
+    assert result.fit.limit(BUDGET * MIB) in range(search.found - 3, search.failed_above + 3)
+
+    # the boundary holds in a fresh probe too
+    assert not memory.probe("mlp", search.failed_above, BUDGET).ok
+    text = result.summary()
+    assert "search" in text and "accelerate" in text and str(search.found) in text
+    assert "<table>" in result._repr_html_()
+    leftovers.check()
+
+
+def test_ranks_agree_on_the_minimum_where_accelerate_ranks_disagree(leftovers):
+    result = memory.explore("mlp", BUDGET, 256, "both", num_processes=2, rank_budgets_mib=[BUDGET, 48])
+    search, baseline = result.search, result.accelerate
+    assert search.per_rank_found == [search.found] * 2 and search.agreed
+    assert baseline.per_rank_found[1] < baseline.per_rank_found[0] and not baseline.agreed
+    # the answer fits the smaller rank; the failure that bounds it came from that rank
+    assert memory.probe("mlp", search.found, 48).ok
+    bound = next(p for p in search.probes if p.batch_size == search.failed_above)
+    assert "rank 1:" in bound.error and "rank 0:" not in bound.error
+    assert search.found <= baseline.per_rank_found[1] * 1.12
+    leftovers.check()
+
+
+def test_user_model_file_with_loss_attribute(leftovers):
+    model = f"{FIXTURE}:tagger"
+    check = memory.check_model(model, BUDGET)
+    assert check.parameters == 16 * 128 + 128 + 128 * 4 + 4
+    assert memory.probe(model, 4, BUDGET).ok
+    oom = memory.probe(model, START, BUDGET)
+    assert not oom.ok and "can't allocate memory" in oom.error
+    leftovers.check()
+
+
+def test_a_model_bug_is_not_taken_for_out_of_memory(leftovers):
+    with pytest.raises(memory.ProbeError, match="other than memory.*RuntimeError"):
+        memory.explore(f"{FIXTURE}:broken", BUDGET, 64, "search")
+    leftovers.check()
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    ({"model": f"{FIXTURE}:huge"}, "memory_budget_mib=64 is below the model's own footprint"),
+    ({"model": "missing/model.py:build"}, "model: file not found"),
+    ({"model": f"{FIXTURE}:nothing_here"}, "has no function 'nothing_here'; functions defined there: "
+                                           "broken, huge, not_a_pair, tagger"),
+    ({"model": f"{FIXTURE}:not_a_pair"}, "must return (model, make_batch)"),
+    ({"model": "resnet"}, "model must be one of 'mlp', 'conv', 'transformer' or "
+                          "'path/to/file.py:function'; got 'resnet'"),
+    ({"starting_batch_size": 0}, "starting_batch_size must be an integer in 1..16777216; got 0"),
+    ({"strategy": "halve"}, "strategy must be one of 'search', 'accelerate', 'both'"),
+    ({"memory_budget_mib": 8}, "memory_budget_mib must be an integer in 16..1048576; got 8"),
+    ({"memory_budget_mib": 1 << 20}, "more than this machine's available memory"),
+    ({"num_processes": 2, "rank_budgets_mib": [64]}, "rank_budgets_mib must list one budget per rank"),
+])
+def test_bad_inputs_give_one_clear_error_before_any_process(kwargs, message, leftovers):
+    arguments = {"model": "mlp", "memory_budget_mib": BUDGET, "starting_batch_size": START,
+                 "strategy": "both", **kwargs}
+    with pytest.raises(ValueError) as info:
+        memory.explore(**arguments)
+    assert message in str(info.value)
+    assert not leftovers.new_children()
+
+
+def test_cuda_path_runs_where_a_gpu_is_and_says_so_where_not(leftovers):
+    if default_backend(1) == "nccl":
+        found = memory.probe("mlp", 8, BUDGET, device="cuda")
+        assert found.ok and found.peak_bytes > 0 and found.capped_bytes >= found.peak_bytes
+        assert not memory.probe("mlp", START, BUDGET, device="cuda").ok
+    else:
+        with pytest.raises(ValueError, match="device='cuda' is not available here"):
+            memory.probe("mlp", 8, BUDGET, device="cuda")
+    leftovers.check()
+
+
+def test_cli_json_and_exit_codes(tmp_path, capsys, leftovers):
+    path = tmp_path / "sizes.json"
+    code = cli.main(["batch-size", "--model", "mlp", "--memory-budget-mib", str(BUDGET),
+                     "--starting-batch-size", "64", "--strategy", "search", "--json", str(path)])
+    assert code == 0, capsys.readouterr()
+    entries = json.loads(path.read_text())
+    assert [e["strategy"] for e in entries] == ["search"]
+    entry = entries[0]
+    assert entry["budget_bytes"] == BUDGET * MIB and entry["found"] > 0
+    for probe in entry["probes"]:
+        assert {"batch_size", "ok", "peak_bytes", "seconds"} <= set(probe)
+        assert isinstance(probe["batch_size"], int) and isinstance(probe["ok"], bool)
+    assert "search" in capsys.readouterr().out
+
+    code = cli.main(["batch-size", "--model", f"{FIXTURE}:huge", "--memory-budget-mib", "64"])
+    assert code == 2 and "below the model's own footprint" in capsys.readouterr().err
+    code = cli.main(["batch-size", "--model", "mlp", "--memory-budget-mib", "64",
+                     "--starting-batch-size", "0"])
+    assert code == 2 and "starting_batch_size must be an integer" in capsys.readouterr().err
+    leftovers.check()
+
+
+# --- the search on a memory model with a random boundary (no processes: the algorithm alone) ---
+
+
+def _noisy_machine(limit: int, per_sample: int, rng: random.Random):
+    """Linear memory; within 1% of ``limit`` the outcome is random, as at a real allocator's edge."""
+    def measure(batch_size: int) -> memory.Probe:
+        spread = limit // 100
+        edge = spread > 0 and abs(batch_size - limit) <= spread
+        ok = rng.random() < 0.5 if edge else batch_size <= limit
+        used = 1_000_000 + per_sample * batch_size
+        return memory.Probe(batch_size, ok, used, 0.0, used if ok else None)
+    return measure
+
+
+@pytest.mark.parametrize("limit", [1, 7, 31, 100, 257, 1000, 4099])
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_search_certifies_the_boundary_in_few_sizes(limit, seed):
+    rng = random.Random(seed)
+    per_sample = 2_000_000
+    budget = 1_000_000 + per_sample * limit
+    for start in (16 * limit, 16 * limit + 5):
+        search = memory.Search(_noisy_machine(limit, per_sample, rng), start, budget)
+        found, _ = search.run()
+        lowest_random = limit - limit // 100
+        assert 0.98 * lowest_random - 1 <= found <= limit + limit // 100
+        assert search.outcomes[found].count(True) >= 3 and all(search.outcomes[found])
+        failed = min(s for s, seen in search.outcomes.items() if not all(seen) and s > found)
+        assert failed <= found + max(1, math.floor(0.02 * found))
+        assert len(search.outcomes) <= 8, [(p.batch_size, p.ok) for p in search.probes]
+
+
+def test_search_edges():
+    fits_all = memory.Search(lambda b: memory.Probe(b, True, b, 0.0, b), 64, 10**9)
+    assert fits_all.run()[0] == 64 and len(fits_all.probes) == 3
+    nothing = memory.Search(lambda b: memory.Probe(b, False, None, 0.0, None), 64, 10**9)
+    assert nothing.run() == (0, "even batch size 1 runs out of memory under this budget")
+
+
+def test_effective_batch_keeps_the_global_batch():
+    advice = memory.effective_batch(4096, devices=1, accumulation_steps=1, max_per_device=250)
+    plans = {p.devices: p for p in advice.plans}
+    assert (plans[1].per_device_batch_size, plans[1].accumulation_steps) == (128, 32)
+    assert (plans[2].per_device_batch_size, plans[2].accumulation_steps) == (128, 16)
+    assert (plans[8].per_device_batch_size, plans[8].accumulation_steps) == (128, 4)
+    assert all(p.keeps_global and p.global_batch_size == 4096 for p in advice.plans)
+    odd = memory.effective_batch(30, devices=1, max_per_device=30, targets=(4,))
+    assert not odd.plans[0].keeps_global and odd.plans[0].global_batch_size != 30
+    assert "x" in odd.rows()[0]["learning rate"]
+    with pytest.raises(ValueError, match="max_per_device must be an integer >= 1; got 0"):
+        memory.effective_batch(64, max_per_device=0)
