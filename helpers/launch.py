@@ -53,11 +53,15 @@ _PR_SET_PDEATHSIG = 1
 
 
 class LaunchError(RuntimeError):
-    """A distributed run did not complete; ``stacks`` maps rank -> dumped Python stacks."""
+    """A distributed run did not complete; ``stacks`` maps rank -> dumped Python stacks.
+
+    ``diagnosis`` is the hang doctor's explanation (``helpers.doctor.Diagnosis``) when it watched.
+    """
 
     def __init__(self, message: str, stacks: dict[int, str] | None = None):
         super().__init__(message)
         self.stacks = stacks or {}
+        self.diagnosis: Any = None
 
 
 class RankError(LaunchError):
@@ -209,7 +213,12 @@ class Run:
 
 
 class Watcher(Protocol):
-    """Something that looks at a run each tick (the hang doctor) and may stop it by raising."""
+    """Something that looks at a run each tick (the hang doctor) and may stop it by raising.
+
+    Optional hooks: ``explain(run, error) -> LaunchError`` when launch itself stops the run (a rank
+    failed, the deadline passed): attach an explanation, return the error to raise;
+    ``finish(run, results)`` after every rank returned: may still raise.
+    """
 
     def poll(self, run: Run) -> None:
         """Inspect ``run``; raise (a LaunchError subclass) to stop it."""
@@ -250,6 +259,7 @@ class _RankSpec:
     backend: str
     timeout_s: float
     env: dict[str, str]
+    trace: bool = False
 
 
 def _set_parent_death_signal(parent_pid: int) -> None:
@@ -269,6 +279,7 @@ def _install_stack_dump(path: Path):
     previous = signal.getsignal(STACK_SIGNAL)
     chain = callable(previous)
     faulthandler.register(STACK_SIGNAL, file=handle, all_threads=True, chain=chain)
+    faulthandler.enable(file=handle, all_threads=True)  # SIGSEGV, SIGABRT...: the stack, then death
     signal.pthread_sigmask(signal.SIG_UNBLOCK, {STACK_SIGNAL})
     return handle
 
@@ -333,15 +344,30 @@ def _rank_main(spec: _RankSpec, fn: Callable[..., Any], args: tuple, kwargs: dic
     _reset_accelerate_state()
     if "torch" in sys.modules:
         sys.modules["torch"].set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
+    trace = _install_tracer(spec)
     try:
         if spec.init_group:
             _init_group(spec)
         outcome: tuple = ("ok", fn(*args, **kwargs))
+        if trace:
+            trace.finish("finished")
     except BaseException as exc:  # noqa: BLE001 - everything goes back to the caller
         outcome = ("error", type(exc).__name__, str(exc), traceback.format_exc(), time.time())
+        if trace:
+            trace.finish("raised", exc)
     _write_outcome(spec.run_dir / f"result-{spec.rank}.pkl", outcome)
     _destroy_group()
     stack_handle.close()
+
+
+def _install_tracer(spec: _RankSpec):
+    """The hang doctor's tracer, installed before any user code (None when nobody watches)."""
+    if not spec.trace:
+        return None
+    from helpers import trace
+
+    trace.install(spec.run_dir, spec.rank)
+    return trace
 
 
 def _write_outcome(path: Path, outcome: tuple) -> None:
@@ -409,6 +435,8 @@ def launch(
     env: dict[str, str] | None = None,
     watchers: Sequence[Watcher] = (),
     tick_s: float = 0.1,
+    stall_s: float | None = None,
+    doctor: bool = True,
 ) -> list[Any]:
     """Run ``fn(*args, **kwargs)`` in ``num_processes`` forked ranks; return their values by rank.
 
@@ -417,9 +445,14 @@ def launch(
     the ranks. Raises RankError (a rank raised), RankExited (a rank died), LaunchTimeout (past
     ``timeout_s``; carries every rank's stack), CudaInitializedError (refused before forking), or
     whatever a watcher raises; in every case nothing is left running.
+
+    The hang doctor watches by default (``doctor=False`` turns it off): a rank waiting ``stall_s``
+    seconds in a collective while no rank makes progress stops the run with ``HangDetected`` (a
+    LaunchTimeout), and errors carry ``.diagnosis``: which rank, which collective, which line.
     """
     num_processes = params.check("num_processes", num_processes)
     timeout_s = params.check("timeout_s", timeout_s)
+    watchers = _with_doctor(watchers, doctor and init_group, stall_s)
     check_cuda_not_initialized()
     backend = backend or default_backend(num_processes)
     if init_group:
@@ -429,12 +462,75 @@ def launch(
     run = Run(num_processes, run_dir, now, now + timeout_s)
     janitor = start_janitor(run_dir)
     try:
-        _start_ranks(run, fn, args, kwargs or {}, init_group, backend, timeout_s, env or {})
+        _start_ranks(run, fn, args, kwargs or {}, init_group, backend, timeout_s, env or {},
+                     _traced(watchers))
         return _watch(run, watchers, tick_s)
     finally:
         stop_ranks(run)
         shutil.rmtree(run_dir, ignore_errors=True)
         stop_janitor(janitor)
+
+
+def launch_command(
+    command: Sequence[str],
+    *,
+    num_processes: int = 2,
+    timeout_s: float = 3600.0,
+    env: dict[str, str] | None = None,
+    watchers: Sequence[Watcher] = (),
+    tick_s: float = 0.1,
+    stall_s: float | None = None,
+    doctor: bool = True,
+    backend: str | None = None,
+) -> list[int]:
+    """Run a command as ``num_processes`` local ranks with the environment torchrun gives.
+
+    ``command`` is ``["script.py", *args]`` or ``["-m", "module", *args]`` (run by this Python with
+    the tracer and stack dumps installed first, the script as ``__main__``), or another program (run
+    as is). Each rank gets RANK, LOCAL_RANK, WORLD_SIZE, LOCAL_WORLD_SIZE, MASTER_ADDR, MASTER_PORT
+    and, without a GPU per rank, ACCELERATE_USE_CPU=true. Same watch loop, deadline, doctor and
+    cleanup as ``launch``; returns the ranks' exit codes (all 0; a failure raises as in ``launch``).
+    """
+    num_processes = params.check("num_processes", num_processes)
+    timeout_s = params.check("timeout_s", timeout_s)
+    watchers = _with_doctor(watchers, doctor, stall_s)
+    backend = backend or default_backend(num_processes)
+    run_dir = Path(tempfile.mkdtemp(prefix="helpers-run-"))
+    now = time.monotonic()
+    run = Run(num_processes, run_dir, now, now + timeout_s)
+    janitor = start_janitor(run_dir)
+    try:
+        _start_commands(run, list(command), backend, env or {}, _traced(watchers))
+        return _watch(run, watchers, tick_s)
+    finally:
+        stop_ranks(run)
+        shutil.rmtree(run_dir, ignore_errors=True)
+        for proc in run.processes.values():
+            proc.close_sentinel()  # type: ignore[attr-defined]
+        stop_janitor(janitor)
+
+
+def _with_doctor(watchers: Sequence[Watcher], wanted: bool, stall_s: float | None) -> list[Watcher]:
+    """The watchers, with a hang doctor first unless one is there already or none is wanted."""
+    watchers = list(watchers)
+    if wanted and not _traced(watchers):
+        from helpers import doctor
+
+        watchers.insert(0, doctor.Doctor(doctor.DEFAULT_STALL_S if stall_s is None else stall_s))
+    return watchers
+
+
+def _traced(watchers: Sequence[Watcher]) -> bool:
+    """Does a hang doctor watch (then the ranks record their collectives for it)?"""
+    return any(getattr(w, "wants_trace", False) for w in watchers)
+
+
+def _make_fifos(run: Run, traced: bool) -> None:
+    """The run's tmp folder, and the FIFOs on which traced ranks take the doctor's requests."""
+    (run.run_dir / "tmp").mkdir(exist_ok=True)
+    if traced:
+        for rank in range(run.num_processes):
+            os.mkfifo(run.run_dir / f"ctl-{rank}", 0o600)
 
 
 _JANITOR = """
@@ -468,14 +564,15 @@ def stop_janitor(janitor: subprocess.Popen) -> None:
     janitor.wait(timeout=10)
 
 
-def _start_ranks(run: Run, fn, args, kwargs, init_group, backend, timeout_s, env) -> None:
+def _start_ranks(run: Run, fn, args, kwargs, init_group, backend, timeout_s, env, traced=False) -> None:
     context = multiprocessing.get_context("fork")
     port = free_port()
+    _make_fifos(run, traced)
     old_mask = signal.pthread_sigmask(signal.SIG_BLOCK, {STACK_SIGNAL})
     try:
         for rank in range(run.num_processes):
             spec = _RankSpec(rank, run.num_processes, port, run.run_dir, os.getpid(), init_group,
-                             backend, timeout_s, env)
+                             backend, timeout_s, env, traced)
             proc = context.Process(target=_rank_main, args=(spec, fn, args, kwargs),
                                    name=f"helpers-rank-{rank}", daemon=False)
             proc.start()
@@ -484,8 +581,90 @@ def _start_ranks(run: Run, fn, args, kwargs, init_group, backend, timeout_s, env
         signal.pthread_sigmask(signal.SIG_SETMASK, old_mask)
 
 
+class _CommandProcess:
+    """A rank started as a command, with the parts of multiprocessing.Process the watch loop uses."""
+
+    def __init__(self, popen: subprocess.Popen):
+        self.popen, self.pid = popen, popen.pid
+        self.sentinel = os.pidfd_open(popen.pid)
+
+    @property
+    def exitcode(self) -> int | None:
+        return self.popen.poll()
+
+    def join(self, timeout: float | None = None) -> None:
+        try:
+            self.popen.wait(timeout)
+        except subprocess.TimeoutExpired:
+            pass
+
+    def close_sentinel(self) -> None:
+        if self.sentinel >= 0:
+            os.close(self.sentinel)
+            self.sentinel = -1
+
+
+def _command_argv(command: list[str], traced: bool) -> list[str]:
+    if command and (command[0] == "-m" or command[0].endswith(".py")):
+        return [sys.executable, "-m", "helpers.trace", *command] if traced else [sys.executable, *command]
+    return command
+
+
+def _start_commands(run: Run, command: list[str], backend: str, env: dict[str, str],
+                    traced: bool) -> None:
+    port = free_port()
+    _make_fifos(run, traced)
+    argv = _command_argv(command, traced)
+    package_root = str(Path(__file__).resolve().parent.parent)
+    python_path = os.pathsep.join(filter(None, [package_root, os.environ.get("PYTHONPATH")]))
+    # blocked across fork and exec: a stack request arriving before faulthandler is set up waits
+    old_mask = signal.pthread_sigmask(signal.SIG_BLOCK, {STACK_SIGNAL}) if traced else None
+    try:
+        for rank in range(run.num_processes):
+            spec = _RankSpec(rank, run.num_processes, port, run.run_dir, os.getpid(), False,
+                             backend, 0.0, env, traced)
+            rank_env = {**os.environ, **_rank_environment(spec), "PYTHONPATH": python_path,
+                        "HELPERS_TRACE_DIR": str(run.run_dir), "HELPERS_TRACE_RANK": str(rank),
+                        "HELPERS_PARENT_PID": str(os.getpid())}
+            popen = subprocess.Popen(argv, env=rank_env, stdin=subprocess.DEVNULL)
+            (run.run_dir / f"pid-{popen.pid}").touch()  # for the janitor
+            run.processes[rank] = _CommandProcess(popen)  # type: ignore[assignment]
+    finally:
+        if old_mask is not None:
+            signal.pthread_sigmask(signal.SIG_SETMASK, old_mask)
+
+
 def _watch(run: Run, watchers: Sequence[Watcher], tick_s: float) -> list[Any]:
-    """The one watch loop: results, failures, deadline and watchers (the hang doctor)."""
+    """The one watch loop: results, failures, deadline and watchers (the hang doctor).
+
+    A failure launch notices itself goes through the watchers' ``explain`` first; after a run
+    that went well, their ``finish``.
+    """
+    try:
+        values = _watch_loop(run, watchers, tick_s)
+    except LaunchError as error:
+        if error.diagnosis is not None:
+            raise
+        explained = _explain(run, watchers, error)
+        if explained is error:
+            raise
+        raise explained from None
+    for watcher in watchers:
+        finish = getattr(watcher, "finish", None)
+        if finish is not None:
+            finish(run, values)
+    return values
+
+
+def _explain(run: Run, watchers: Sequence[Watcher], error: LaunchError) -> LaunchError:
+    for watcher in watchers:
+        explain = getattr(watcher, "explain", None)
+        if explain is not None:
+            error = explain(run, error)
+    return error
+
+
+def _watch_loop(run: Run, watchers: Sequence[Watcher], tick_s: float) -> list[Any]:
     results: dict[int, Any] = {}
     pending = dict(run.processes)
     while pending:
