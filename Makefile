@@ -27,8 +27,9 @@ test: $(STAMP)
 	$(PY) -m pytest tests
 	$(PY) -m pytest --nbval-lax notebooks -p no:cacheprovider
 
+# jupyter refuses to start as root (containers often are) without --allow-root
 lab: $(STAMP)
-	$(VENV)/bin/jupyter lab notebooks
+	$(VENV)/bin/jupyter lab notebooks $(if $(filter 0,$(shell id -u)),--allow-root)
 
 bench: $(STAMP)
 	for f in bench/*.py; do $(PY) $$f || exit 1; done
