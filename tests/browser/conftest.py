@@ -130,6 +130,9 @@ class JupyterLab:
         env.update(JUPYTER_CONFIG_DIR=str(self.workdir / "config"),
                    JUPYTER_RUNTIME_DIR=str(self.workdir / "runtime"),
                    JUPYTER_DATA_DIR=str(self.workdir / "data"),
+                   # torch's per-user cache (torchinductor_<user>, made on the first optimizer
+                   # step) is kept across runs; here it lives with the server, not in TMPDIR
+                   TORCHINDUCTOR_CACHE_DIR=str(self.workdir / "torchinductor"),
                    # kernels run this interpreter (the venv's), whatever PATH says
                    PATH=os.path.dirname(sys.executable) + os.pathsep + env.get("PATH", ""))
         return env

@@ -66,7 +66,7 @@ RECIPES = [
            change={"timeout_s": 60, "num_processes": 3},
            expect=r"PASS: \d+ collectives correct on 3 ranks"),
     Recipe("04_batch_size_explorer.ipynb",
-           {"memory_budget_mib": 64, "starting_batch_size": 256, "strategy": "search"},
+           {"memory_budget_mib": 64, "starting_batch_size": 512, "strategy": "search"},
            change={"model": "conv"}, expect=r"conv\s+on\s+cpu"),
     Recipe("05_early_stop_sync.ipynb", {"stall_s": 2.0, "stop_step": 2},
            change={"stop_rank": 0}, expect=r"rank 0"),
