@@ -91,6 +91,8 @@ def test_notebook_runs_and_its_panel_works_in_jupyterlab(recipe: Recipe, lab: Ju
         assert not errors, f"cells failed in JupyterLab: {errors}"
         not_run = [c["source"] for c in cells if c["count"] is None]
         assert not not_run, f"cells that did not run: {not_run}"
+        kernels_for = [s["path"] for s in lab.api("GET", "/api/sessions")]
+        assert kernels_for == [recipe.notebook], f"kernels running for {kernels_for}"
 
         panel = page.locator(".helpers-panel").nth(recipe.panel)
         panel.wait_for(state="visible")
