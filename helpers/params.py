@@ -67,6 +67,15 @@ SPECS: dict[str, Spec] = {
     "anonymize": Spec("bool", "also replace host names, user names and home folders"),
     "min_severity": Spec("choice", "lowest severity of findings to show",
                          choices=("info", "warning", "error")),
+    # minimal repro builder (notebook 02); the symptoms are helpers.repro.SYMPTOMS
+    "symptom": Spec("choice", "what you see; each symptom maps to catalog scenarios (helpers.repro)",
+                    choices=("hangs-at-eval", "hangs-at-save", "hangs-after-early-stop",
+                             "shape-mismatch-error", "nccl-timeout", "one-rank-crashes")),
+    "variant": Spec("choice", "the scenario's variant: the bug, or the fix", choices=("broken", "fixed")),
+    "out_dir": Spec("path", "folder for the generated script, the doctor's record and report.md",
+                    empty_ok=False),
+    "from_trace": Spec("path", "a folder kept by `python -m helpers doctor --keep DIR` to replay "
+                       "('' = build from the symptom)"),
     # smoke test (notebook 03)
     "max_size_mib": Spec("int", "largest message in the bandwidth sweep, MiB", 1, 4096),
     # batch-size explorer (notebook 04)
