@@ -128,28 +128,64 @@ def run_all_cells(page: Any, timeout_s: float) -> None:
 
 
 def set_control(panel: Any, name: str, value: Any) -> None:
-    """Set the panel's control labelled ``name`` through its widget: select, slider, box or field."""
-    page = panel.page
-    label = page.locator(".widget-label", has_text=re.compile(rf"^{re.escape(name)}$"))
+    """Set the panel's control labelled ``name`` as a person would: pick, type or tick.
+
+    The control must show another value before (else the recipe proves nothing) and ``value``
+    after.
+    """
+    kind, control = find_control(panel, name)
+    before = read_control(kind, control)
+    assert not _same(before, value), f"{name} already shows {before!r}: change it to another value"
+    if kind == "select":
+        control.select_option(label=str(value))
+    elif kind == "checkbox":
+        control.set_checked(bool(value))
+    elif kind == "slider":  # type into the slider's readout
+        control.click()
+        control.page.keyboard.press("Control+A")
+        control.page.keyboard.type(str(value))
+        control.page.keyboard.press("Enter")
+    else:
+        control.fill(str(value))
+        control.press("Enter")
+    after = read_control(kind, control)
+    assert _same(after, value), f"{name} shows {after!r} after setting {value!r}"
+
+
+def find_control(panel: Any, name: str) -> tuple[str, Any]:
+    """The kind ("select", "checkbox", "slider", "field") and element of the control ``name``."""
+    label = panel.page.locator(".widget-label", has_text=re.compile(rf"^{re.escape(name)}$"))
     row = panel.locator(".widget-inline-hbox").filter(has=label)
     if row.count() == 0:  # a checkbox carries its description next to the box
         box = panel.locator(".widget-checkbox").filter(has_text=re.compile(rf"^{re.escape(name)}$"))
         assert box.count() == 1, f"no control named {name!r} in the panel"
-        box.locator("input[type=checkbox]").set_checked(bool(value))
-        return
+        return "checkbox", box.locator("input[type=checkbox]")
     assert row.count() == 1, f"{row.count()} controls named {name!r} in the panel"
     if row.locator("select").count():
-        row.locator("select").select_option(label=str(value))
-    elif row.locator(".widget-readout").count():  # slider: type into its readout
-        row.locator(".widget-readout").click()
-        page.keyboard.press("Control+A")
-        page.keyboard.type(str(value))
-        page.keyboard.press("Enter")
-        assert row.locator(".widget-readout").inner_text().strip() == str(value)
-    else:
-        field_ = row.locator("input, textarea").first
-        field_.fill(str(value))
-        field_.press("Enter")
+        return "select", row.locator("select")
+    if row.locator(".widget-readout").count():
+        return "slider", row.locator(".widget-readout")
+    return "field", row.locator("input, textarea").first
+
+
+def read_control(kind: str, control: Any) -> Any:
+    """What the control shows now."""
+    if kind == "select":
+        return control.evaluate("s => s.options[s.selectedIndex].textContent")
+    if kind == "checkbox":
+        return control.is_checked()
+    if kind == "slider":
+        return control.inner_text().strip()
+    return control.input_value()
+
+
+def _same(shown: Any, value: Any) -> bool:
+    if isinstance(value, bool) or isinstance(shown, bool):
+        return shown == value
+    try:
+        return float(shown) == float(value)
+    except (TypeError, ValueError):
+        return str(shown) == str(value)
 
 
 def click_and_wait(panel: Any, button: str, timeout_s: float) -> str:
