@@ -540,9 +540,14 @@ def run_script(argv: list[str]) -> int:
 
     run_dir = Path(os.environ[ENV_DIR])
     rank = int(os.environ.get(ENV_RANK) or os.environ.get("RANK", "0"))
-    if os.environ.get(ENV_PARENT):  # under helpers.launch; torchrun watches its ranks itself
-        launch._set_parent_death_signal(int(os.environ[ENV_PARENT]))
     stack_handle = launch._install_stack_dump(run_dir / f"stack-{rank}.txt")
+    if os.environ.get(ENV_PARENT):  # under helpers.launch
+        launch._set_parent_death_signal(int(os.environ[ENV_PARENT]))
+    else:  # under torchrun, which stops ranks with SIGTERM: leave their stacks for a post-mortem
+        import faulthandler
+        import signal
+
+        faulthandler.register(signal.SIGTERM, file=stack_handle, all_threads=True, chain=True)
     install(run_dir, rank)
     module = argv[0] == "-m"
     target = argv[1] if module else argv[0]

@@ -11,7 +11,8 @@ Launchers: ``launch`` (``helpers.launch`` forks ranks that call ``main``), ``cli
 (``python -m helpers doctor -- script.py``) and ``torchrun`` (plain torchrun; the doctor reads the
 traces afterwards, the hang ending at torch's process-group timeout instead of at ``stall_s``).
 The kind names the first divergence, so it can differ by launcher (see each row's ``notes``).
-Lines marked ``# doctor-line: <name>`` are where the doctor must place a rank.
+Lines marked ``# doctor-line: <name>`` are where the doctor must place a rank (the culprits at
+``culprit_line``, the others at ``others_line``; a killed rank has no line).
 """
 
 from __future__ import annotations
@@ -51,7 +52,8 @@ class Scenario:
     expected: dict[str, Expected]
     culprits: Callable[[int, dict[str, Any]], list[int]]
     culprit_rule: str  # the culprit rule in words, for the table
-    culprit_line: str  # the doctor-line marker where the (first) culprit rank is placed
+    culprit_line: str | None  # doctor-line marker where the doctor places the culprit ranks
+    others_line: str | None = None  # ... and the other ranks (None: not checked)
     variants: tuple[str, ...] = ("broken", "fixed")
     fix: str = ""
     notes: str = ""
@@ -82,17 +84,16 @@ class Scenario:
         values.update(overrides)
         return self.culprits(num_processes, values)
 
-    def line(self, marker: str | None = None) -> int:
-        """The line number of ``# doctor-line: <marker>`` (default: the culprit's line)."""
-        marker = marker or self.culprit_line
+    def line(self, marker: str) -> int:
+        """The line number of ``# doctor-line: <marker>`` in the script."""
         for number, text in enumerate(self.path.read_text().splitlines(), start=1):
             if re.search(rf"# doctor-line: {re.escape(marker)}\b", text):
                 return number
         raise ValueError(f"{self.path.name} has no '# doctor-line: {marker}'")
 
-    def location(self, marker: str | None = None) -> str:
-        """``script.py:LINE`` of a marker, as the doctor reports locations."""
-        return f"{self.path.name}:{self.line(marker)}"
+    def location(self, marker: str | None) -> str | None:
+        """``script.py:LINE`` of a marker, as the doctor reports locations (None for None)."""
+        return None if marker is None else f"{self.path.name}:{self.line(marker)}"
 
     def command(self, variant: str = "broken", **overrides: Any) -> list[str]:
         """The script and its flags: ``[path, "--variant", "broken", "--diverge-rank", "1"]``."""
@@ -124,7 +125,7 @@ SCENARIOS: tuple[Scenario, ...] = (
         "early-stop", "early_stop",
         "one rank leaves a DDP training loop early (its own convergence test); the others' next "
         "backward() waits in DDP's gradient all-reduce, the early rank in wait_for_everyone()",
-        _same("collective-mismatch", "hang"), _diverge, "DIVERGE_RANK", "early-rank",
+        _same("collective-mismatch", "hang"), _diverge, "DIVERGE_RANK", "early-rank", "training",
         fix="accelerator.set_trigger() on the rank that wants to stop, accelerator.check_trigger() "
             "on every rank (notebook 05)",
         notes="the DDP all-reduce is issued from C++: seen by the Flight Recorder, not by a Python "
@@ -133,13 +134,13 @@ SCENARIOS: tuple[Scenario, ...] = (
         "main-only-collective", "main_only_collective",
         "accelerator.reduce inside `if accelerator.is_main_process`: rank 0 waits in an all_reduce, "
         "the others in the next wait_for_everyone()",
-        _same("collective-mismatch", "hang"), lambda n, p: [0], "0 (main process)", "main-only",
+        _same("collective-mismatch", "hang"), lambda n, p: [0], "0 (main process)", "main-only", "others",
         fix="call the collective on every rank; print on the main process only"),
     Scenario(
         "variable-gather", "variable_gather",
         "accelerator.gather of tensors with different lengths per rank",
         _same("shape-mismatch", "crash", "hang", "mismatch"), _shape_culprits,
-        "DIVERGE_RANK on 3+ ranks; both ranks on 2 (no majority)", "gather",
+        "DIVERGE_RANK on 3+ ranks; both ranks on 2 (no majority)", "gather", None,
         fix="accelerator.pad_across_processes before gather, drop the padding after",
         notes="on gloo the mismatched all_gather aborts the process (SIGABRT, 'Received data size "
               "doesn't match expected size'); NCCL may hang or return garbage"),
@@ -147,37 +148,38 @@ SCENARIOS: tuple[Scenario, ...] = (
         "uneven-eval", "uneven_eval",
         "an evaluation loader with even_batches=False: the last rank runs out of batches and waits "
         "in wait_for_everyone() while the others wait in gather_for_metrics",
-        _same("collective-mismatch", "hang"), lambda n, p: [n - 1], "the last rank", "short-rank",
+        _same("collective-mismatch", "hang"), lambda n, p: [n - 1], "the last rank", "short-rank", "gather",
         fix="keep accelerate's even_batches=True and use gather_for_metrics"),
     Scenario(
         "one-branch-barrier", "one_branch_barrier",
         "wait_for_everyone() inside `if accelerator.is_main_process`: rank 0 waits in a barrier, the "
         "others poll for a file it writes after the barrier",
         _same("rank-missing", "hang"), lambda n, p: list(range(1, n)), "every rank but 0", "polling",
+        "main-barrier",
         fix="call wait_for_everyone() after the branch, on every rank"),
     Scenario(
         "in-order-logging", "in_order_logging",
         "logger.info(..., main_process_only=False, in_order=True) on the main process only: an "
         "ordered log is a barrier per rank",
-        _same("collective-mismatch", "hang"), lambda n, p: [0], "0 (main process)", "log",
+        _same("collective-mismatch", "hang"), lambda n, p: [0], "0 (main process)", "log", "others",
         fix="call in_order logging on every rank (or log on the main process without in_order)"),
     Scenario(
         "dead-rank", "dead_rank",
         "a rank is killed mid-training (SIGKILL, as the out-of-memory killer does)",
-        _same("rank-exited", "crash"), _diverge, "DIVERGE_RANK", "killed",
+        _same("rank-exited", "crash"), _diverge, "DIVERGE_RANK", None, "training",
         fix="find why the rank died (dmesg for the OOM killer, notebook 04 for memory)",
         notes="on gloo the survivors fail at once with 'Connection reset by peer'; the doctor names "
               "the dead rank, not them"),
     Scenario(
         "stuck-compute", "stuck_compute",
         "a rank stuck in a compute loop that never converges while the others wait in an all_reduce",
-        _same("rank-missing", "hang"), _diverge, "DIVERGE_RANK", "loop",
+        _same("rank-missing", "hang"), _diverge, "DIVERGE_RANK", "loop", "others",
         fix="bound the loop (MAX_ITERS) or make the stop condition reachable on every rank"),
     Scenario(
         "healthy", "healthy",
         "healthy DDP training (gather_for_metrics, wait_for_everyone); LATE_S makes one rank late "
         "once: late by less than stall_s is not a hang",
-        _same("ok", "ok"), lambda n, p: [], "none", "", variants=("fixed",)),
+        _same("ok", "ok"), lambda n, p: [], "none", None, variants=("fixed",)),
 )
 
 

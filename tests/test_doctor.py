@@ -1,0 +1,259 @@
+"""The hang doctor (issue 4): stalls, ok runs, crashes, mismatches, the CLI, display, SIGKILL.
+
+Real ranks with real gloo; the scenario matrix lives in test_scenarios.py.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import psutil
+import pytest
+
+from helpers import diagnosis as diagnosis_module
+from helpers import doctor, scenarios
+from helpers.launch import LaunchTimeout, RankError, launch
+
+HERE = Path(__file__).name
+
+
+def _line(marker: str) -> int:
+    for number, text in enumerate(Path(__file__).read_text().splitlines(), start=1):
+        if text.rstrip().endswith(f"# line: {marker}"):
+            return number
+    raise AssertionError(marker)
+
+
+def _skip_barrier_on_rank_one():
+    import torch.distributed as dist
+
+    if dist.get_rank() == 1:
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline:  # line: loop
+            time.sleep(0.05)
+        return
+    dist.barrier()  # line: barrier
+
+
+def test_launch_stops_a_stall_with_a_diagnosis(leftovers):
+    started = time.monotonic()
+    with pytest.raises(doctor.HangDetected) as info:
+        launch(_skip_barrier_on_rank_one, num_processes=2, timeout_s=60, stall_s=1.5)
+    assert isinstance(info.value, LaunchTimeout)
+    found = info.value.diagnosis
+    assert (found.verdict, found.kind, found.ranks) == ("hang", "rank-missing", [1])
+    assert found.per_rank[0].state == "in-collective" and found.per_rank[0].op == "barrier"
+    assert found.per_rank[0].location == f"{HERE}:{_line('barrier')}"
+    assert found.per_rank[1].state == "outside-collective"
+    assert found.per_rank[1].location in (f"{HERE}:{_line('loop')}", f"{HERE}:{_line('loop') + 1}")
+    barrier = f"{HERE}:{_line('barrier')}"
+    assert f"Rank 1 never reached the barrier that rank 0 entered at {barrier}" in found.summary
+    assert f"loop at {HERE}:{_line('loop')}" in found.summary
+    assert found.detected_after_s <= 1.5 + 3
+    assert time.monotonic() - started < 20
+    assert "rank 0" in str(info.value) and set(info.value.stacks) == {0, 1}
+    _display(found)
+    leftovers.check()
+
+
+def _display(found) -> None:
+    html = found._repr_html_()
+    assert "rank-missing" in html and "<table>" in html and found.summary.split(";")[0][:40] in html
+    figure = found.swimlane()
+    assert len(figure.axes[0].get_yticks()) == 2
+    assert [t.get_text() for t in figure.axes[0].get_yticklabels()] == ["rank 0", "rank 1 (culprit)"]
+    buffer = io.BytesIO()
+    figure.savefig(buffer, format="png")
+    assert buffer.getvalue().startswith(b"\x89PNG")
+    assert "doctor: hang (rank-missing)" in found.text()
+
+
+def test_a_rank_late_by_less_than_stall_s_is_ok(leftovers):
+    healthy = scenarios.get("healthy").load()
+    found = doctor.run_function(healthy.main, kwargs={"late_s": 2.5}, num_processes=2, stall_s=6.0)
+    assert (found.verdict, found.kind) == ("ok", "ok"), found.text()
+    assert found.detected_after_s is None
+    leftovers.check()
+
+
+def _raise_on_rank_one():
+    import torch.distributed as dist
+
+    if dist.get_rank() == 1:
+        raise ValueError("bad batch on purpose")  # line: raise
+    dist.barrier()
+
+
+def test_a_raising_rank_keeps_its_error_type_and_gets_a_diagnosis(leftovers):
+    with pytest.raises(RankError) as info:
+        launch(_raise_on_rank_one, num_processes=2, timeout_s=60)
+    found = info.value.diagnosis
+    assert info.value.rank == 1
+    assert (found.verdict, found.kind, found.ranks) == ("crash", "rank-exited", [1]), found.text()
+    assert found.per_rank[1].location == f"{HERE}:{_line('raise')}"
+    assert "Rank 1 raised ValueError: bad batch on purpose" in found.summary
+    assert any("doctor: crash (rank-exited)" in note for note in info.value.__notes__)
+    leftovers.check()
+
+
+def _truncating_broadcast():
+    import torch
+    import torch.distributed as dist
+
+    tensor = torch.arange(5.0) if dist.get_rank() == 0 else torch.zeros(10)
+    dist.broadcast(tensor, src=0)  # line: broadcast
+    return tensor.tolist()
+
+
+def test_a_run_that_finishes_with_mismatched_shapes_is_a_mismatch(leftovers):
+    # gloo fills 5 of the 10 elements on rank 1 and says nothing
+    with pytest.raises(doctor.MismatchDetected) as info:
+        launch(_truncating_broadcast, num_processes=2, timeout_s=60)
+    found = info.value.diagnosis
+    assert (found.verdict, found.kind, found.exit_code) == ("mismatch", "shape-mismatch", 5)
+    assert f"broadcast at {HERE}:{_line('broadcast')}" in found.summary
+    assert "rank 0 [5] float32; rank 1 [10] float32" in found.summary
+    assert info.value.results[1][:5] == [0.0, 1.0, 2.0, 3.0, 4.0]
+    leftovers.check()
+
+
+def test_deadline_before_stall_still_explains(leftovers):
+    with pytest.raises(LaunchTimeout) as info:
+        launch(_skip_barrier_on_rank_one, num_processes=2, timeout_s=3, stall_s=30)
+    assert not isinstance(info.value, doctor.HangDetected)
+    found = info.value.diagnosis
+    assert (found.verdict, found.kind, found.ranks) == ("hang", "rank-missing", [1])
+    leftovers.check()
+
+
+def test_doctor_can_be_turned_off(leftovers):
+    with pytest.raises(LaunchTimeout) as info:
+        launch(_skip_barrier_on_rank_one, num_processes=2, timeout_s=3, doctor=False)
+    assert info.value.diagnosis is None
+    leftovers.check()
+
+
+# ---------------------------------------------------------------------------------------------
+# the command line
+
+
+def _doctor_cli(*args: str, timeout: float = 60) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "helpers", "doctor", *args], capture_output=True,
+                          text=True, timeout=timeout)
+
+
+@pytest.mark.parametrize("args, message", [
+    ([], "give the script to run after '--'"),
+    (["--num-processes", "0", "--", "x.py"], "num_processes must be an integer in 1..64; got 0"),
+    (["--stall-s", "-1", "--", "x.py"], "stall_s must be a number > 0"),
+    (["--", "no_such_script.py"], "script 'no_such_script.py' not found"),
+    (["--bogus", "--", "x.py"], "unrecognized arguments: --bogus"),
+])
+def test_cli_bad_usage_exits_2_naming_the_argument(args, message, leftovers):
+    done = _doctor_cli(*args)
+    assert done.returncode == 2, done.stderr
+    assert message in done.stderr
+    leftovers.check()
+
+
+def test_cli_help_names_the_exit_codes():
+    done = _doctor_cli("--help")
+    assert done.returncode == 0 and "0 ok, 3 hang, 4 crash, 5 mismatch" in done.stdout
+
+
+def _helpers_run_dirs() -> set[Path]:
+    import tempfile
+
+    return set(Path(tempfile.gettempdir()).glob("helpers-run-*"))
+
+
+def test_killing_the_doctor_kills_its_ranks_and_leaves_nothing(tmp_path, leftovers):
+    before = _helpers_run_dirs()
+    script = scenarios.get("stuck-compute")
+    cli = subprocess.Popen([sys.executable, "-m", "helpers", "doctor", "--num-processes", "2",
+                            "--stall-s", "600", "--", *script.command()],
+                           stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    ranks = _wait_for_traced_ranks(cli, before)
+    os.kill(cli.pid, signal.SIGKILL)
+    cli.wait(timeout=10)
+    deadline = time.monotonic() + 20
+    while time.monotonic() < deadline and (any(p.is_running() and p.status() != psutil.STATUS_ZOMBIE
+                                                for p in ranks if _exists(p))
+                                            or _helpers_run_dirs() - before):
+        time.sleep(0.1)
+    assert not [p.pid for p in ranks if _exists(p) and p.status() != psutil.STATUS_ZOMBIE]
+    assert not _helpers_run_dirs() - before
+    leftovers.check()
+
+
+def _exists(process: psutil.Process) -> bool:
+    try:
+        return process.is_running()
+    except psutil.NoSuchProcess:
+        return False
+
+
+def _wait_for_traced_ranks(cli: subprocess.Popen, before: set[Path]) -> list[psutil.Process]:
+    """The doctor's rank processes, once both have a process group (their trace shows progress)."""
+    deadline = time.monotonic() + 90
+    while time.monotonic() < deadline:
+        assert cli.poll() is None, "the doctor ended before its ranks started"
+        for folder in _helpers_run_dirs() - before:
+            traces = [folder / f"trace-{r}.jsonl" for r in range(2)]
+            if all(t.exists() and '"ev":"pg"' in t.read_text() for t in traces):
+                children = psutil.Process(cli.pid).children()
+                ranks = [p for p in children if "helpers.trace" in " ".join(p.cmdline())]
+                if len(ranks) == 2:
+                    return ranks
+        time.sleep(0.1)
+    raise AssertionError("the ranks never got a process group")
+
+
+# ---------------------------------------------------------------------------------------------
+# the reasoning, on its own
+
+
+def test_canonical_names_and_short_errors():
+    assert diagnosis_module.canonical_op("gloo:all_reduce") == "all_reduce"
+    assert diagnosis_module.canonical_op("all_gather_single") == "all_gather_into_tensor"
+    assert diagnosis_module.short_error(
+        "RuntimeError: [/__w/pytorch/third_party/gloo/pair.cc:553] Connection closed by peer "
+        "[127.0.0.1]:2. This is typically caused by a remote worker crashing.") == \
+        "RuntimeError: Connection closed by peer [127.0.0.1]:2."
+
+
+def test_first_divergence_names_the_lowest_sequence_number():
+    op = diagnosis_module.Op
+    same = {("0", 1): op("all_reduce", shapes=[[4]], dtypes=["float32"])}
+    histories = {
+        0: {**same, ("0", 2): op("all_reduce", shapes=[[4]], dtypes=["float32"]),
+            ("0", 3): op("barrier")},
+        1: {**same, ("0", 2): op("all_reduce", shapes=[[5]], dtypes=["float32"]),
+            ("0", 3): op("all_reduce", shapes=[[4]], dtypes=["float32"])},
+    }
+    key, groups, present = diagnosis_module.first_divergence(histories)
+    assert key == ("0", 2) and sorted(groups.values()) == [[0], [1]]
+    assert diagnosis_module.first_divergence({0: same, 1: dict(same)}) is None
+
+
+def test_rank_conditional_lines_are_found_in_the_source():
+    script = scenarios.get("main-only-collective")
+    assert diagnosis_module._rank_conditional(str(script.path), script.line("main-only"))
+    assert not diagnosis_module._rank_conditional(str(script.path), script.line("others"))
+    loop = scenarios.get("stuck-compute")
+    assert diagnosis_module._enclosing_loop(str(loop.path), loop.line("loop")) == loop.line("loop")
+
+
+def test_diagnosis_json_has_exactly_the_documented_fields():
+    entry = doctor.RankReport(rank=0, state="finished", exit_code=0)
+    found = doctor.Diagnosis("ok", "ok", [], "fine", "nothing", None, [entry])
+    data = json.loads(found.to_json())
+    assert list(data) == ["verdict", "kind", "ranks", "summary", "fix", "detected_after_s", "per_rank"]
+    assert list(data["per_rank"][0]) == ["rank", "state", "op", "seq", "shapes", "location", "exit_code"]

@@ -1,0 +1,131 @@
+"""The scenario catalog (issue 4, piece 8): each scenario gets its documented kind, culprits and lines.
+
+Under helpers.launch (forked ranks calling ``main``) on 2 and 3 ranks, under
+``python -m helpers doctor`` and under plain torchrun on 2 ranks; fixed variants come out ok.
+Every run is followed by a leftovers check.
+"""
+
+from __future__ import annotations
+
+import ast
+import json
+import subprocess
+import sys
+
+import pytest
+
+from helpers import doctor, scenarios
+from helpers.diagnosis import EXIT_CODES
+
+STALL_S = 2.0
+IDS = [s.id for s in scenarios.SCENARIOS]
+FIXED_IDS = [s.id for s in scenarios.SCENARIOS if "fixed" in s.variants]
+KEYS = {"verdict", "kind", "ranks", "summary", "fix", "detected_after_s", "per_rank"}
+RANK_KEYS = {"rank", "state", "op", "seq", "shapes", "location", "exit_code"}
+
+
+def check_diagnosis(data: dict, scenario: scenarios.Scenario, launcher: str, num_processes: int,
+                    stall_s: float | None = STALL_S) -> None:
+    """The diagnosis (as JSON data) matches the catalog row for ``launcher``."""
+    expected = scenario.expected[launcher]
+    text = json.dumps(data, indent=1)
+    assert set(data) == KEYS and all(set(r) == RANK_KEYS for r in data["per_rank"]), text
+    assert data["kind"] == expected.kind, text
+    assert data["verdict"] in expected.verdicts, text
+    assert data["ranks"] == scenario.culprit_ranks(num_processes), text
+    assert [r["rank"] for r in data["per_rank"]] == list(range(num_processes)), text
+    culprit_at = scenario.location(scenario.culprit_line)
+    others_at = scenario.location(scenario.others_line)
+    for entry in data["per_rank"]:
+        wanted = culprit_at if entry["rank"] in data["ranks"] else others_at
+        if wanted:
+            assert entry["location"] == wanted, text
+    if data["verdict"] in ("hang", "crash") and stall_s is not None:
+        assert data["detected_after_s"] is not None and data["detected_after_s"] <= stall_s + 3, text
+
+
+@pytest.mark.parametrize("num_processes", [2, 3])
+@pytest.mark.parametrize("scenario_id", IDS)
+def test_scenario_under_launch(scenario_id, num_processes, leftovers):
+    scenario = scenarios.get(scenario_id)
+    diagnosis = doctor.run_function(scenario.load().main, kwargs={"variant": scenario.variants[0]},
+                                    num_processes=num_processes, stall_s=STALL_S, timeout_s=90)
+    check_diagnosis(diagnosis.to_dict(), scenario, "launch", num_processes)
+    leftovers.check()
+
+
+@pytest.mark.parametrize("scenario_id", FIXED_IDS)
+def test_fixed_variant_is_ok(scenario_id, leftovers):
+    scenario = scenarios.get(scenario_id)
+    diagnosis = doctor.run_function(scenario.load().main, kwargs={"variant": "fixed"},
+                                    num_processes=2, stall_s=4.0, timeout_s=90)
+    assert (diagnosis.verdict, diagnosis.kind, diagnosis.ranks) == ("ok", "ok", []), diagnosis.text()
+    assert all(entry.state == "finished" for entry in diagnosis.per_rank)
+    assert len(diagnosis.results) == 2
+    leftovers.check()
+
+
+@pytest.mark.parametrize("scenario_id", IDS)
+def test_scenario_under_the_cli(scenario_id, tmp_path, leftovers):
+    scenario = scenarios.get(scenario_id)
+    out = tmp_path / "diagnosis.json"
+    done = subprocess.run(
+        [sys.executable, "-m", "helpers", "doctor", "--num-processes", "2", "--stall-s", str(STALL_S),
+         "--json", str(out), "--", *scenario.command(scenario.variants[0])],
+        capture_output=True, text=True, timeout=180)
+    data = json.loads(out.read_text())
+    assert done.returncode == EXIT_CODES[data["verdict"]], done.stderr[-3000:]
+    assert f"doctor: {data['verdict']} ({data['kind']})" in done.stderr
+    check_diagnosis(data, scenario, "cli", 2)
+    leftovers.check()
+
+
+@pytest.mark.parametrize("scenario_id", IDS)
+def test_scenario_under_plain_torchrun(scenario_id, tmp_path, leftovers):
+    scenario = scenarios.get(scenario_id)
+    code, diagnosis, output = doctor.run_torchrun(
+        scenario.command(scenario.variants[0], pg_timeout_s=3), tmp_path / "trace", 2, timeout_s=180)
+    assert (code == 0) == (diagnosis.verdict == "ok"), output[-3000:]
+    check_diagnosis(diagnosis.to_dict(), scenario, "torchrun", 2, stall_s=None)
+    leftovers.check()
+
+
+# ---------------------------------------------------------------------------------------------
+# the catalog itself
+
+
+def test_catalog_lists_every_script_once():
+    scripts = {p.stem for p in scenarios.FOLDER.glob("*.py") if p.stem != "__init__"}
+    assert {s.module for s in scenarios.SCENARIOS} == scripts
+    assert len(set(IDS)) == len(IDS) == 9
+    rows = scenarios.table()
+    assert {"id", "shows", "variants", "parameters", "launch kind", "cli kind", "torchrun kind",
+            "culprit ranks"} <= set(rows[0])
+    with pytest.raises(ValueError, match="scenario must be one of early-stop"):
+        scenarios.get("nope")
+
+
+@pytest.mark.parametrize("scenario_id", IDS)
+def test_script_is_standalone_with_upper_case_parameters(scenario_id):
+    scenario = scenarios.get(scenario_id)
+    tree = ast.parse(scenario.path.read_text())
+    imported = {alias.name.split(".")[0] for node in ast.walk(tree) if isinstance(node, ast.Import)
+                for alias in node.names}
+    imported |= {node.module.split(".")[0] for node in ast.walk(tree)
+                 if isinstance(node, ast.ImportFrom) and node.module}
+    assert imported - set(sys.stdlib_module_names) <= {"torch", "accelerate"}, imported
+    values = scenario.parameters()
+    assert values["VARIANT"] in scenario.variants and "PG_TIMEOUT_S" in values
+    main = next(n for n in tree.body if isinstance(n, ast.FunctionDef) and n.name == "main")
+    assert [a.arg for a in main.args.args] == [name.lower() for name in values]
+    assert "Accelerator(cpu=not torch.cuda.is_available()" in scenario.path.read_text()
+    for marker in filter(None, (scenario.culprit_line, scenario.others_line)):
+        assert scenario.line(marker) > 0
+
+
+def test_parameters_are_overridden_from_the_command_line():
+    module = scenarios.get("early-stop").load()
+    values = module.parse_args(["--variant", "fixed", "--diverge-rank", "0", "--pg-timeout-s", "5"])
+    assert values["variant"] == "fixed" and values["diverge_rank"] == 0 and values["pg_timeout_s"] == 5.0
+    assert values["steps"] == scenarios.get("early-stop").parameters()["STEPS"]
+    assert scenarios.get("early-stop").culprit_ranks(3, diverge_rank=2) == [2]

@@ -1,0 +1,149 @@
+"""The tracer inside each rank (issue 4, pieces 1 and 2): what it records, and that it changes nothing."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import sys
+from pathlib import Path
+
+import pytest
+
+from helpers import doctor, scenarios, trace
+from helpers.launch import RankExited, Run, launch, launch_command
+
+HERE = Path(__file__).name
+
+
+def _line(marker: str) -> int:
+    for number, text in enumerate(Path(__file__).read_text().splitlines(), start=1):
+        if text.rstrip().endswith(f"# line: {marker}"):
+            return number
+    raise AssertionError(marker)
+
+
+def _many_ops():
+    import torch
+    import torch.distributed as dist
+
+    rank = dist.get_rank()
+    tensor = torch.ones(4, dtype=torch.float64)
+    dist.all_reduce(tensor)  # line: all_reduce
+    dist.broadcast(torch.zeros(2, 3), src=0)  # line: broadcast
+    gathered = [None, None]
+    dist.all_gather_object(gathered, {"rank": rank})  # line: object
+    work = dist.all_reduce(torch.ones(2), async_op=True)  # line: async
+    work.wait()
+    if rank == 0:
+        dist.send(torch.ones(3), dst=1)  # line: send
+    else:
+        dist.recv(torch.zeros(3), src=0)  # line: recv
+    try:
+        dist.broadcast(torch.ones(1), src=7)  # line: bad
+    except (ValueError, RuntimeError):
+        pass
+    dist.barrier()  # line: barrier
+    if rank == 1:
+        os.kill(os.getpid(), signal.SIGKILL)  # its records must survive this
+    return gathered
+
+
+def test_records_every_call_once_with_site_shapes_and_outcome(tmp_path, leftovers):
+    with pytest.raises(RankExited):
+        launch(_many_ops, num_processes=2, timeout_s=60, watchers=[doctor.Doctor(30, keep_dir=tmp_path)])
+    for rank in (0, 1):
+        records = [json.loads(line) for line in (tmp_path / f"trace-{rank}.jsonl").read_text().splitlines()]
+        ops = [r for r in records if r["ev"] == "op"]
+        ends = {r["id"]: r for r in records if r["ev"] == "end"}
+        names = [r["op"] for r in ops]
+        assert names == ["all_reduce", "broadcast", "all_gather_object", "all_reduce",
+                         "send" if rank == 0 else "recv", "broadcast", "barrier"], names
+        first = ops[0]
+        assert first["shapes"] == [[4]] and first["dtypes"] == ["float64"] and first["pg"] == "0"
+        assert first["where"] == f"{HERE}:{_line('all_reduce')}" and first["func"] == "_many_ops"
+        assert ops[1]["shapes"] == [[2, 3]] and ops[1]["where"] == f"{HERE}:{_line('broadcast')}"
+        assert ops[2]["where"] == f"{HERE}:{_line('object')}" and "shapes" not in ops[2]
+        assert ends[ops[2]["id"]]["seq_end"] > ops[2]["seq"]  # it issued inner collectives, recorded once
+        assert ops[3]["async"] and any(r["ev"] == "enq" and r["id"] == ops[3]["id"] for r in records)
+        assert ends[ops[3]["id"]]["ok"] is True
+        assert ops[4]["p2p"] and ops[4]["peer"] == (1 if rank == 0 else 0)
+        assert ends[ops[5]["id"]]["ok"] is False and ops[5]["where"] == f"{HERE}:{_line('bad')}"
+        seqs = [r["seq"] for r in ops if not r.get("p2p")]
+        assert seqs == sorted(seqs) and seqs[0] == 1
+        assert ends[ops[-1]["id"]]["ok"] is True
+    found = json.loads((tmp_path / "diagnosis.json").read_text())
+    assert (found["kind"], found["ranks"]) == ("rank-exited", [1])
+    leftovers.check()
+
+
+def test_tracer_leaves_results_unchanged(leftovers):
+    healthy = scenarios.get("healthy").load()
+    traced = doctor.run_function(healthy.main, num_processes=2, stall_s=10).results
+    plain = launch(healthy.main, num_processes=2, timeout_s=60, doctor=False)
+    assert traced == plain
+    assert traced[0]["losses"] == traced[1]["losses"] and len(traced[0]["losses"]) == 4
+    leftovers.check()
+
+
+def test_notebook_cells_are_named_like_ipython_does(leftovers):
+    from IPython.core.interactiveshell import InteractiveShell
+
+    shell = InteractiveShell.instance()
+    try:
+        shell.run_cell("import time\nimport torch.distributed as dist\n\ndef cell_fn():\n"
+                       "    if dist.get_rank() == 1:\n        time.sleep(60)\n    dist.barrier()\n",
+                       store_history=True)
+        number = shell.execution_count - 1
+        with pytest.raises(doctor.HangDetected) as info:
+            launch(shell.user_ns["cell_fn"], num_processes=2, timeout_s=30, stall_s=1.5)
+    finally:
+        InteractiveShell.clear_instance()
+    found = info.value.diagnosis
+    assert found.per_rank[0].location == f"Cell In[{number}], line 7", found.text()
+    assert found.per_rank[1].location == f"Cell In[{number}], line 6", found.text()
+    leftovers.check()
+
+
+class _SignalAtOnce:
+    """Sends the stack signal to every rank at the first tick: before any rank could register."""
+
+    def __init__(self) -> None:
+        self.sent = False
+
+    def poll(self, run: Run) -> None:
+        if not self.sent:
+            for proc in run.processes.values():
+                os.kill(proc.pid, signal.SIGUSR1)
+            self.sent = True
+
+
+def test_an_early_stack_request_cannot_kill_a_command_rank(tmp_path, leftovers):
+    script = tmp_path / "quick.py"
+    script.write_text("import torch.distributed as dist\nprint('ran', flush=True)\n")
+    watcher = _SignalAtOnce()
+    codes = launch_command([str(script)], num_processes=2, timeout_s=120, watchers=[watcher])
+    assert watcher.sent and codes == [0, 0]
+    leftovers.check()
+
+
+def test_user_code_is_told_apart_from_libraries():
+    assert trace._is_user_module("__main__", "/anywhere/site-packages/x.py")
+    assert trace._is_user_module("helpers.scenarios.early_stop", "/repo/helpers/scenarios/early_stop.py")
+    assert trace._is_user_module("train", "/home/me/train.py")
+    assert not trace._is_user_module("torch.nn.parallel.distributed", "/x/torch/nn/parallel/distributed.py")
+    assert not trace._is_user_module("accelerate.state", "/x/accelerate/state.py")
+    assert not trace._is_user_module("helpers.launch", "/repo/helpers/launch.py")
+    assert not trace._is_user_module("contextlib", os.path.join(trace._STDLIB[0], "contextlib.py"))
+    assert trace.label("/a/b/train.py", 57) == "train.py:57"
+
+
+def test_run_script_runs_the_script_as_main(tmp_path, leftovers):
+    script = tmp_path / "as_main.py"
+    script.write_text("import sys\nassert __name__ == '__main__'\n"
+                      "sys.exit(3 if sys.argv[1:] == ['x'] else 0)\n")
+    with pytest.raises(RankExited) as info:
+        launch_command([str(script), "x"], num_processes=1, timeout_s=120)
+    assert info.value.exit_code == 3
+    assert sys.executable
+    leftovers.check()
