@@ -4,17 +4,18 @@ A *probe* runs one training step (forward, backward, optimizer step, zero_grad) 
 in a fresh forked child under a real memory budget, so that an out-of-memory error is genuine and
 never harms the caller:
 
-- on the CPU the child caps its own address space (``RLIMIT_AS``) at its baseline plus the budget,
-  after torch is loaded; torch's allocator then raises its genuine "DefaultCPUAllocator: can't
-  allocate memory" error, which accelerate's ``should_reduce_batch_size`` recognises (oneDNN is
-  turned off in the child so that every allocation goes through torch's allocator);
+- on the CPU the child caps its own private writable memory (``RLIMIT_DATA``) at its baseline plus
+  the budget, after torch is loaded; torch's allocator then raises its genuine "DefaultCPUAllocator:
+  can't allocate memory" error, which accelerate's ``should_reduce_batch_size`` recognises (oneDNN
+  is turned off in the child so that every allocation goes through torch's allocator);
 - on a GPU the child limits torch's caching allocator with
   ``torch.cuda.set_per_process_memory_fraction`` (the whole GPU when the budget is larger), and
   torch raises its genuine "CUDA out of memory" error.
 
 Each probe records ok / out of memory, the peak memory (CPU: peak resident memory above the
-child's baseline; GPU: ``torch.cuda.max_memory_allocated``), the peak of the quantity the cap
-limits (CPU: address space; GPU: memory reserved by the caching allocator) and its seconds.
+child's baseline; GPU: ``torch.cuda.max_memory_allocated``), for a step that fitted the peak of
+what the cap follows (CPU: address space, where every tensor is its own mapping; GPU: memory
+reserved by the caching allocator) and its seconds.
 
 Two strategies run on the same model and budget:
 
@@ -67,7 +68,7 @@ class Probe:
     ok: bool
     peak_bytes: int | None  # CPU: peak RSS above baseline; GPU: torch.cuda.max_memory_allocated
     seconds: float
-    capped_bytes: int | None = None  # peak of what the cap limits: CPU address space, GPU reserved
+    capped_bytes: int | None = None  # fitted steps: peak CPU address space / GPU reserved memory
     error: str | None = None  # the out-of-memory message when not ok
     rank: int | None = None  # accelerate attempts: the rank that made it; None: all ranks together
 
@@ -298,61 +299,78 @@ class ExploreResult(ResultMixin):
                 f"{self.num_processes} rank(s); start {self.starting_batch_size}</p>"
                 + html_table(self.comparison_rows(), cols, highlight="ranks agree")
                 + f"<p>{self.fit_text()}</p>"
-                + html_table(self.probe_rows(), probe_cols, highlight="fits"))
+                + f"<details><summary>every probe ({len(self.probe_rows())})</summary>"
+                + html_table(self.probe_rows(), probe_cols, highlight="fits") + "</details>")
 
     def plot(self):
-        """Peak memory against batch size: probes, OOMs, the fit, the budget (matplotlib Figure)."""
+        """Two panels (matplotlib Figure): left, the batch size of every try of each strategy;
+        right, memory against batch size near the limit: fitted probes, OOMs, the fit, the budget."""
         import matplotlib.pyplot as plt
 
-        fig, ax = plt.subplots(figsize=(8, 4.5))
-        budget = min(self.rank_budgets_bytes) / MIB
-        _plot_search(ax, self.search, budget)
-        _plot_accelerate(ax, self.accelerate, budget)
-        if self.fit is not None:
-            xs = _geomspace(1, max(self.starting_batch_size, 2), 60)
-            ax.plot(xs, [self.fit.bytes_at(x) / MIB for x in xs], "--", color="tab:blue", alpha=0.6,
-                    label=f"fit: {self.fit.intercept_bytes / MIB:.0f} MiB + "
-                          f"{self.fit.per_sample_bytes / MIB:.2f} MiB x batch")
-        ax.axhline(budget, color="black", linewidth=1, label=f"budget {budget:.0f} MiB")
-        ax.set_xscale("log", base=2)
-        ax.set_ylim(0, budget * 1.35)
-        ax.set_xlabel("batch size per rank")
-        ax.set_ylabel("MiB above the baseline (what the cap limits)")
-        ax.set_title(f"{self.model}: memory against batch size ({self.device})")
-        ax.grid(True, alpha=0.3)
-        ax.legend(fontsize=8, loc="upper left")
+        fig, (tries, memory_ax) = plt.subplots(1, 2, figsize=(11, 4.2),
+                                               gridspec_kw={"width_ratios": [1, 1.2]})
+        _plot_tries(tries, self.strategies)
+        _plot_memory(memory_ax, self)
+        fig.suptitle(f"{self.model} on {self.device}: budget "
+                     f"{min(self.rank_budgets_bytes) / MIB:.0f} MiB, start {self.starting_batch_size}")
+        fig.tight_layout()
         plt.close(fig)
         return fig
 
 
-def _plot_search(ax: Any, search: StrategyResult | None, budget_mib: float) -> None:
-    if search is None:
-        return
-    fits = [p for p in search.probes if p.ok and p.capped_bytes is not None]
-    ooms = [p for p in search.probes if not p.ok]
-    ax.scatter([p.batch_size for p in fits], [p.capped_bytes / MIB for p in fits], color="tab:blue",
-               zorder=3, label="search: fits")
-    ax.scatter([p.batch_size for p in ooms], [budget_mib * 1.05] * len(ooms), marker="x",
-               color="tab:red", zorder=3, label="search: out of memory")
-    if search.found:
-        ax.axvline(search.found, color="tab:blue", linestyle=":",
-                   label=f"search answer {search.found}")
+_COLORS = {"search": "tab:blue", "accelerate": "tab:orange"}
 
 
-def _plot_accelerate(ax: Any, baseline: StrategyResult | None, budget_mib: float) -> None:
-    if baseline is None:
-        return
-    ooms = [p for p in baseline.probes if not p.ok]
-    ax.scatter([p.batch_size for p in ooms], [budget_mib * 1.2] * len(ooms), marker="|", s=80,
-               color="tab:orange", label=f"accelerate: out of memory ({len(ooms)}x, x0.9 each)")
-    if baseline.found:
-        ax.axvline(baseline.found, color="tab:orange", linestyle=":",
-                   label=f"accelerate answer {baseline.found}")
+def _plot_tries(ax: Any, strategies: list[StrategyResult]) -> None:
+    for s in strategies:
+        probes = [p for p in s.probes if p.rank in (None, 0)]
+        steps = list(range(1, len(probes) + 1))
+        color = _COLORS.get(s.strategy, "gray")
+        ax.plot(steps, [p.batch_size for p in probes], color=color, alpha=0.5)
+        ax.scatter([i for i, p in zip(steps, probes, strict=True) if p.ok],
+                   [p.batch_size for p in probes if p.ok], color=color, marker="o", zorder=3)
+        ax.scatter([i for i, p in zip(steps, probes, strict=True) if not p.ok],
+                   [p.batch_size for p in probes if not p.ok], color=color, marker="x", zorder=3)
+        ax.plot([], [], color=color, label=f"{s.strategy}: {s.found} after {len(probes)} steps")
+    ax.scatter([], [], color="gray", marker="x", label="out of memory")
+    ax.set_yscale("log", base=2)
+    ax.set_xlabel("training step tried")
+    ax.set_ylabel("batch size")
+    ax.set_title("every try")
+    ax.grid(True, alpha=0.3)
+    ax.legend(fontsize=8)
 
 
-def _geomspace(low: float, high: float, count: int) -> list[float]:
-    ratio = (high / low) ** (1 / (count - 1))
-    return [low * ratio ** i for i in range(count)]
+def _plot_memory(ax: Any, result: ExploreResult) -> None:
+    budget = min(result.rank_budgets_bytes) / MIB
+    found = [s.found for s in result.strategies] + [s.failed_above or 0 for s in result.strategies]
+    right = max(max(found) * 1.4, 8)
+    search = result.search
+    if search is not None:
+        near = [p for p in search.probes if p.batch_size <= right]
+        fits = [p for p in near if p.ok and p.capped_bytes is not None]
+        ooms = [p for p in near if not p.ok]
+        ax.scatter([p.batch_size for p in fits], [p.capped_bytes / MIB for p in fits],
+                   color=_COLORS["search"], zorder=3, label="search: fits")
+        ax.scatter([p.batch_size for p in ooms], [budget * 1.05] * len(ooms), marker="x",
+                   color="tab:red", zorder=3, label="search: out of memory")
+    if result.fit is not None:
+        ax.plot([0, right], [result.fit.bytes_at(0) / MIB, result.fit.bytes_at(right) / MIB], "--",
+                color=_COLORS["search"], alpha=0.6,
+                label=f"fit: {result.fit.intercept_bytes / MIB:.0f} MiB + "
+                      f"{result.fit.per_sample_bytes / MIB:.2f} MiB x batch")
+    for s in result.strategies:
+        if s.found:
+            ax.axvline(s.found, color=_COLORS.get(s.strategy, "gray"), linestyle=":",
+                       label=f"{s.strategy} answer {s.found}")
+    ax.axhline(budget, color="black", linewidth=1, label=f"budget {budget:.0f} MiB")
+    ax.set_xlim(0, right)
+    ax.set_ylim(0, budget * 1.3)
+    ax.set_xlabel("batch size per rank")
+    ax.set_ylabel("MiB above the baseline (fitted steps)")
+    ax.set_title("memory against batch size, near the limit")
+    ax.grid(True, alpha=0.3)
+    ax.legend(fontsize=8, loc="upper left")
 
 
 def _mib(value: float) -> str:
@@ -449,7 +467,7 @@ def check_model(model: str = "mlp", memory_budget_mib: int = 512, num_processes:
 
 
 def _proc_status() -> dict[str, int]:
-    wanted = ("VmPeak", "VmSize", "VmHWM", "VmRSS")
+    wanted = ("VmPeak", "VmSize", "VmHWM", "VmRSS", "VmData")
     values = {}
     with open("/proc/self/status") as handle:
         for line in handle:
@@ -488,24 +506,27 @@ def _steady_malloc() -> int:
 
 
 class CpuCap:
-    """Caps this process's address space at its current size plus ``budget_bytes`` (RLIMIT_AS).
+    """Caps this process's private writable memory at its current size plus ``budget_bytes``.
 
-    Set after torch is loaded (forked children inherit it), so the budget covers the model, the
-    optimizer state and the activations, not the libraries. Free heap memory inherited from the
-    caller is taken off the limit, as it can be used without growing the address space.
-    ``release()`` restores the old limit.
+    The limit is ``RLIMIT_DATA`` (Linux >= 4.7 counts every private writable mapping, and memory
+    made writable later, against it), set after torch is loaded, so the budget covers the model,
+    the optimizer state and the activations, not the libraries. ``RLIMIT_AS`` would not do in a
+    process forked from a Jupyter kernel: glibc's per-thread malloc arenas inherited from the
+    kernel reserve hundreds of MiB of address space that malloc can make usable without growing
+    it. Free heap memory inherited from the caller is taken off the limit, as it can be used
+    without growing the data size. ``release()`` restores the old limit.
     """
 
     def __init__(self, budget_bytes: int):
         self.inherited_free = _steady_malloc()
         status = _proc_status()
         self.base_vm, self.base_rss = status["VmSize"], status["VmRSS"]
-        self.old = resource.getrlimit(resource.RLIMIT_AS)
+        self.old = resource.getrlimit(resource.RLIMIT_DATA)
         hard = self.old[1]
-        limit = self.base_vm + budget_bytes - self.inherited_free
+        limit = status["VmData"] + budget_bytes - self.inherited_free
         if hard != resource.RLIM_INFINITY:
             limit = min(limit, hard)
-        resource.setrlimit(resource.RLIMIT_AS, (limit, hard))
+        resource.setrlimit(resource.RLIMIT_DATA, (limit, hard))
         self.vm_valid = True  # VmPeak counts from the fork (the kernel resets it there)
         self.rss_valid = self._reset_rss_peak()
 
@@ -532,7 +553,7 @@ class CpuCap:
 
     def release(self) -> None:
         """Restore the limit this process had before."""
-        resource.setrlimit(resource.RLIMIT_AS, self.old)
+        resource.setrlimit(resource.RLIMIT_DATA, self.old)
 
 
 class CudaCap:
@@ -676,8 +697,9 @@ def probe_rank(factory: models.Factory, text: str, batch_size: int, budgets: lis
     ok = error is None
     world = int(os.environ.get("WORLD_SIZE", "1"))
     agreed = _agree(ok, device) if world > 1 else ok
-    return {"rank": _rank(), "ok": ok, "agreed": agreed, "peak": peak, "capped": capped,
-            "seconds": seconds, "error": error}
+    # after a failed allocation malloc may reserve address space it never uses: no capped peak
+    return {"rank": _rank(), "ok": ok, "agreed": agreed, "peak": peak,
+            "capped": capped if ok else None, "seconds": seconds, "error": error}
 
 
 def accelerate_rank(factory: models.Factory, text: str, start: int, budgets: list[int],
@@ -687,8 +709,13 @@ def accelerate_rank(factory: models.Factory, text: str, start: int, budgets: lis
     Every attempt builds the model and runs the same training step as a probe, in this one
     process, as a training script does. Returns the answer and every attempt.
     """
+    import gc
+
     from accelerate.utils import find_executable_batch_size
 
+    # accelerate runs gc.collect() before each try; objects inherited from the caller (a notebook
+    # kernel holds many) are not the training loop's garbage: freeze them, as in a fresh script
+    gc.freeze()
     rank = _rank()
     cap = _cap(device, budgets[rank])
     attempts: list[dict[str, Any]] = []
