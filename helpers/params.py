@@ -85,6 +85,11 @@ SPECS: dict[str, Spec] = {
                               "activations), MiB", 16, 1 << 20),
     "starting_batch_size": Spec("int", "the batch size to try first (the largest wanted)", 1, 1 << 24),
     "strategy": Spec("choice", "how to search", choices=("search", "accelerate", "both")),
+    # early-stop sync demo (notebook 05); stop_rank < num_processes is checked by helpers.early_stop
+    "stop_rank": Spec("int", "the rank that decides on its own to stop early (below num_processes)",
+                      0, 63),
+    "stop_step": Spec("int", "the training step (0-based) at which stop_rank decides to stop", 0, 100),
+    "show_hang": Spec("bool", "also run the broken loop and let the hang doctor diagnose its hang"),
 }
 
 

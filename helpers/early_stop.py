@@ -1,0 +1,352 @@
+"""The early-stop sync demo (notebook 05): one rank stops alone and the others hang; then the fix.
+
+``run_loop(variant=...)`` runs the catalog's ``early-stop`` scenario (``helpers.scenarios``: a real
+DDP training loop with a model, an optimizer, a prepared dataloader and ``accelerator.backward``)
+on forked ranks under the hang doctor (``helpers.doctor``):
+
+- ``"broken"``: rank ``stop_rank`` leaves the loop at ``stop_step`` on its own; the others' next
+  ``backward()`` waits in DDP's gradient all-reduce; the doctor stops the run after ``stall_s``
+  seconds and names the rank, the collectives and the lines;
+- ``"fixed"``: the same rank calls ``accelerator.set_trigger()``, every rank asks
+  ``accelerator.check_trigger()`` each step, and all of them stop at the same step.
+
+``lint_loops()`` shows the static check (``helpers.lint``) finding the same bug before anything
+runs. Cross-parameter checks (``stop_rank`` below ``num_processes``) happen here, before any
+process starts.
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import html
+import time
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from helpers import params, report
+
+VARIANTS = ("fixed", "broken")
+SCENARIO = "early-stop"
+STEPS_AFTER_STOP = 3  # steps the loop would still run after stop_step, so that leaving early diverges
+DEADLINE_MARGIN_S = 90.0  # start-up and evidence gathering on top of stall_s
+
+
+# ---------------------------------------------------------------------------------------------
+# parameters
+
+
+def check_parameters(cfg: Mapping[str, Any]) -> None:
+    """Cross-parameter checks of validated parameters; ValueError naming the parameter.
+
+    ``num_processes`` must be at least 2 (one rank has nobody to wait for), ``stop_rank`` below
+    ``num_processes`` and ``variant`` (when given) one of ``VARIANTS``.
+    """
+    num_processes = cfg["num_processes"]
+    if num_processes < 2:
+        raise ValueError(f"num_processes must be at least 2 for the early-stop demo (a single rank "
+                         f"has nobody to wait for); got {num_processes}")
+    stop_rank = cfg.get("stop_rank", 0)
+    if stop_rank >= num_processes:
+        raise ValueError(f"stop_rank must be an integer in 0..{num_processes - 1} (a rank below "
+                         f"num_processes={num_processes}); got {stop_rank}")
+    variant = cfg.get("variant", VARIANTS[0])
+    if variant not in VARIANTS:
+        raise ValueError(f"variant must be one of {', '.join(map(repr, VARIANTS))}; got {variant!r}")
+
+
+def _validated(num_processes: Any, stop_rank: Any, stop_step: Any, stall_s: Any,
+               variant: Any) -> params.Config:
+    cfg = params.validate(num_processes=num_processes, stop_rank=stop_rank, stop_step=stop_step,
+                          stall_s=stall_s)
+    cfg["variant"] = variant
+    check_parameters(cfg)
+    return cfg
+
+
+# ---------------------------------------------------------------------------------------------
+# results
+
+
+@dataclass
+class RankOutcome:
+    """How one rank of a completed run ended."""
+
+    rank: int
+    stopped_at: int | None  # the step at which it left the loop (None: it ran every step)
+    steps_trained: int
+    weights: float  # sum of the final weights: equal on every rank when DDP kept them in sync
+
+
+@dataclass(repr=False)
+class EarlyStopRun(report.ResultMixin):
+    """One run of the early-stop loop under the hang doctor, and whether it went as expected.
+
+    ``ok``: for ``broken``, the doctor diagnosed a hang of the expected kind naming exactly
+    ``stop_rank``; for ``fixed``, every rank finished and stopped at ``stop_step``.
+    """
+
+    variant: str
+    num_processes: int
+    stop_rank: int
+    stop_step: int
+    steps: int
+    stall_s: float
+    seconds: float
+    expected_kind: str
+    diagnosis: Any  # helpers.doctor.Diagnosis
+    ranks: list[RankOutcome] = field(default_factory=list)
+    ok: bool = field(init=False)
+    outcome: str = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.ok = self.diagnosed_right if self.variant == "broken" else self.completed
+        self.outcome = self._outcome()
+
+    @property
+    def diagnosed_right(self) -> bool:
+        """The doctor called it a hang of the expected kind and blamed ``stop_rank`` alone."""
+        d = self.diagnosis
+        return d.verdict == "hang" and d.kind == self.expected_kind and d.ranks == [self.stop_rank]
+
+    @property
+    def completed(self) -> bool:
+        """Every rank returned, and every rank stopped at ``stop_step``."""
+        return (self.diagnosis.verdict == "ok" and len(self.ranks) == self.num_processes
+                and all(r.stopped_at == self.stop_step for r in self.ranks))
+
+    @property
+    def same_weights(self) -> bool:
+        """The ranks ended with the same weights (DDP's all-reduce kept them in step)."""
+        return len({round(r.weights, 9) for r in self.ranks}) == 1
+
+    def _outcome(self) -> str:
+        head = (f"{self.variant} loop on {self.num_processes} ranks, rank {self.stop_rank} decided "
+                f"to stop at step {self.stop_step}: ")
+        d = self.diagnosis
+        if self.variant == "broken":
+            found = f"the doctor found {d.verdict} ({d.kind}) blaming rank(s) {d.ranks}"
+            if d.detected_after_s is not None:
+                found += f", {d.detected_after_s:.1f} s after progress stopped"
+            verdict = "as expected" if self.ok else (
+                f"NOT as expected (hang, {self.expected_kind}, rank {self.stop_rank})")
+            return f"{head}{found}; {verdict}."
+        if not self.ok:
+            steps = {r.rank: r.stopped_at for r in self.ranks}
+            return f"{head}did NOT complete as expected: {d.verdict} ({d.kind}), stopped at {steps}."
+        weights = "the same final weights on every rank" if self.same_weights else "DIFFERENT weights"
+        return f"{head}every rank stopped at step {self.stop_step} together, with {weights}."
+
+    def summary(self) -> str:
+        """One line: what ran and how it ended."""
+        return self.outcome
+
+    def __repr__(self) -> str:
+        return f"EarlyStopRun({self.outcome})"
+
+    def rows(self) -> list[dict[str, Any]]:
+        """The per-rank table of a completed run (empty for a run that hung)."""
+        return [{"rank": r.rank, "stopped at step": r.stopped_at, "steps trained": r.steps_trained,
+                 "final weights (sum)": r.weights, "stopped with the others": r.stopped_at == self.stop_step}
+                for r in self.ranks]
+
+    def _repr_html_(self) -> str:
+        colour = "#2e7d32" if self.ok else "#c62828"
+        head = (f"<p><b style='color:{colour}'>{html.escape(self.variant)}</b> &middot; "
+                f"{html.escape(self.outcome)} <small>({self.seconds:.1f} s)</small></p>")
+        if self.variant == "broken" or not self.ranks:
+            return f"<div>{head}{self.diagnosis._repr_html_()}</div>"
+        table = report.html_table(self.rows(), highlight="stopped with the others")
+        return f"<div>{head}{table}</div>"
+
+    def plot(self):
+        """The doctor's swimlane of this run (matplotlib Figure): each rank's collectives over time."""
+        import matplotlib.pyplot as plt
+
+        from helpers.swimlane import swimlane
+
+        # the swimlane is a bare Figure; in a kernel only a loaded backend (matplotlib-inline) makes
+        # IPython show Figures as images, and pyplot loads it with its first figure
+        plt.close(plt.figure())
+        title = f"{self.variant} loop: {self.diagnosis.verdict} ({self.diagnosis.kind})"
+        return swimlane(_timeline_view(self.diagnosis), title)
+
+
+def _timeline_view(diagnosis: Any) -> Any:
+    """A copy of the diagnosis whose swimlane spans the loop and the whole wait.
+
+    The doctor's evidence starts the time axis when the watcher was created (fork, imports and
+    set-up take most of the picture) and ends it when progress stopped; here it starts at the first
+    traced call (as the axis label says) and ends when the doctor stopped the run.
+    """
+    view = copy.copy(diagnosis)
+    evidence = dict(getattr(diagnosis, "evidence", None) or {})
+    evidence.pop("started", None)
+    stall = evidence.get("stall_start")
+    if stall and diagnosis.detected_after_s is not None and not evidence.get("detected_at"):
+        evidence["detected_at"] = stall + diagnosis.detected_after_s
+    view.evidence = evidence
+    return view
+
+
+# ---------------------------------------------------------------------------------------------
+# running the loop
+
+
+def run_loop(num_processes: int = 2, stop_rank: int = 1, stop_step: int = 3,
+             variant: str = "fixed", stall_s: float = 5.0) -> EarlyStopRun:
+    """Run the catalog's early-stop training loop on ``num_processes`` ranks under the hang doctor.
+
+    ``variant="broken"``: rank ``stop_rank`` breaks out alone at ``stop_step``; the doctor stops the
+    hang after ``stall_s`` seconds and its diagnosis is returned (no exception). ``"fixed"``:
+    set_trigger/check_trigger; every rank stops at ``stop_step``. Bad parameters raise ValueError
+    naming the parameter before any process starts; a failure the doctor cannot explain raises.
+    """
+    from helpers import doctor, scenarios
+
+    cfg = _validated(num_processes, stop_rank, stop_step, stall_s, variant)
+    scenario = scenarios.get(SCENARIO)
+    steps = max(scenario.parameters()["STEPS"], cfg.stop_step + STEPS_AFTER_STOP)
+    kwargs = {"variant": cfg.variant, "diverge_rank": cfg.stop_rank, "step": cfg.stop_step,
+              "steps": steps}
+    started = time.monotonic()
+    diagnosis = doctor.run_function(scenario.load().main, kwargs=kwargs,
+                                    num_processes=cfg.num_processes, stall_s=cfg.stall_s,
+                                    timeout_s=cfg.stall_s + DEADLINE_MARGIN_S)
+    seconds = round(time.monotonic() - started, 2)
+    results = getattr(diagnosis, "results", None) or []
+    ranks = [RankOutcome(r["rank"], r["stopped_at"],
+                         steps if r["stopped_at"] is None else r["stopped_at"] + 1, r["weights"])
+             for r in results]
+    return EarlyStopRun(cfg.variant, cfg.num_processes, cfg.stop_rank, cfg.stop_step, steps,
+                        cfg.stall_s, seconds, scenario.expected["launch"].kind, diagnosis, ranks)
+
+
+# ---------------------------------------------------------------------------------------------
+# the static check on the same bug
+
+
+LOOPS: dict[str, tuple[str, str, bool]] = {
+    # name: (what it shows, the loop, should the lint flag it)
+    "per-rank break": ("each rank decides on its own loss: the hang of this notebook", """\
+for step, (inputs, targets) in enumerate(loader):
+    loss = F.mse_loss(model(inputs), targets)
+    accelerator.backward(loss)  # under DDP: the gradient all-reduce
+    optimizer.step()
+    optimizer.zero_grad()
+    if loss.item() < threshold:  # this rank's own loss
+        break
+accelerator.wait_for_everyone()
+""", True),
+    "set_trigger / check_trigger": ("the fix: any rank sets the trigger, every rank checks it", """\
+for step, (inputs, targets) in enumerate(loader):
+    loss = F.mse_loss(model(inputs), targets)
+    accelerator.backward(loss)
+    optimizer.step()
+    optimizer.zero_grad()
+    if loss.item() < threshold:  # this rank's own loss
+        accelerator.set_trigger()
+    if accelerator.check_trigger():  # a collective: the same answer on every rank
+        break
+accelerator.wait_for_everyone()
+""", False),
+    "reduce the metric": ("the alternative: every rank decides on the same, reduced number", """\
+for step, (inputs, targets) in enumerate(loader):
+    loss = F.mse_loss(model(inputs), targets)
+    accelerator.backward(loss)
+    optimizer.step()
+    optimizer.zero_grad()
+    mean_loss = accelerator.reduce(loss.detach(), reduction="mean")  # the same on every rank
+    if mean_loss.item() < threshold:
+        break
+accelerator.wait_for_everyone()
+""", False),
+    "check_breakpoint": ("a name from old docs that never existed", """\
+for step, (inputs, targets) in enumerate(loader):
+    loss = F.mse_loss(model(inputs), targets)
+    accelerator.backward(loss)
+    if loss.item() < threshold:
+        accelerator.set_trigger()
+    if accelerator.check_breakpoint():
+        break
+""", True),
+    "in_order logging on one rank": ("in_order=True is a barrier per rank: a collective", """\
+if accelerator.is_main_process:
+    logger.info(f"best loss {best:.3f}", main_process_only=False, in_order=True)
+accelerator.wait_for_everyone()
+""", True),
+}
+
+
+@dataclass
+class LoopCheck:
+    """One loop as the lint sees it."""
+
+    name: str
+    shows: str
+    code: str
+    flag_expected: bool
+    codes: list[str]
+    findings: list[Any]  # helpers.lint.Finding
+
+    @property
+    def as_expected(self) -> bool:
+        """Flagged when it should be, clean when it should be."""
+        return bool(self.codes) == self.flag_expected
+
+
+@dataclass(repr=False)
+class LoopLint(report.ResultMixin):
+    """The static check (``helpers.lint``) over the demo's own script and typical loops."""
+
+    script: str
+    script_findings: list[Any]
+    loops: list[LoopCheck]
+    ok: bool = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.ok = all(loop.as_expected for loop in self.loops)
+
+    def summary(self) -> str:
+        """One line per loop: flagged or clean."""
+        lines = [f"{self.script}: " + (", ".join(f"{f.code} at line {f.line}" for f in self.script_findings)
+                                       or "clean")]
+        lines += [f"{loop.name}: {', '.join(loop.codes) or 'clean'}" for loop in self.loops]
+        return "\n".join(lines)
+
+    def __repr__(self) -> str:
+        return "LoopLint(\n" + self.summary() + "\n)"
+
+    def _repr_html_(self) -> str:
+        script_rows = [{"where": f.where, "code": f.code, "message": f.message} for f in self.script_findings]
+        parts = [f"<p><b>lint on the demo's own script</b> <code>{html.escape(self.script)}</code> "
+                 f"(nothing is run):</p>",
+                 report.html_table(script_rows, ["where", "code", "message"]) if script_rows
+                 else "<p>no finding</p>"]
+        for loop in self.loops:
+            verdict = ", ".join(loop.codes) or "no finding"
+            colour = "#c62828" if loop.codes else "#2e7d32"
+            if not loop.as_expected:
+                verdict += " (NOT what the lint should say)"
+            parts.append(f"<h4>{html.escape(loop.name)} <small>({html.escape(loop.shows)})</small>: "
+                         f"<span style='color:{colour}'>{html.escape(verdict)}</span></h4>"
+                         f"<pre>{html.escape(loop.code)}</pre>")
+            for finding in loop.findings:
+                parts.append(f"<p><code>line {finding.line}</code> {html.escape(finding.message)}<br>"
+                             f"<b>fix:</b> {html.escape(finding.fix)}</p>")
+        return "<div>" + "".join(parts) + "</div>"
+
+
+def lint_loops() -> LoopLint:
+    """Lint the early-stop scenario script and the loops in ``LOOPS`` (static: nothing runs)."""
+    from helpers import lint, scenarios
+
+    path = scenarios.get(SCENARIO).path
+    shown = str(path.relative_to(params.REPO_ROOT))
+    script = [dataclasses.replace(f, file=shown) for f in lint.lint_paths(path).findings]
+    loops = []
+    for name, (shows, code, flag_expected) in LOOPS.items():
+        found = lint.lint_source(code, f"{name}.py").findings
+        loops.append(LoopCheck(name, shows, code, flag_expected, [f.code for f in found], found))
+    return LoopLint(shown, script, loops)
