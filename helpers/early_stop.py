@@ -31,6 +31,9 @@ VARIANTS = ("fixed", "broken")
 SCENARIO = "early-stop"
 STEPS_AFTER_STOP = 3  # steps the loop would still run after stop_step, so that leaving early diverges
 DEADLINE_MARGIN_S = 90.0  # start-up and evidence gathering on top of stall_s
+AMBIGUOUS = ("(At step 0 the other rank waits in forward(), in the broadcast DDP issues on its second "
+             "iteration, not in backward(); with 2 ranks neither rank's collective was seen before and "
+             "there is no majority, so the doctor names both ranks.)")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -83,8 +86,9 @@ class RankOutcome:
 class EarlyStopRun(report.ResultMixin):
     """One run of the early-stop loop under the hang doctor, and whether it went as expected.
 
-    ``ok``: for ``broken``, the doctor diagnosed a hang of the expected kind naming exactly
-    ``stop_rank``; for ``fixed``, every rank finished and stopped at ``stop_step``.
+    ``ok``: for ``broken``, the doctor diagnosed a hang of the expected kind naming exactly the
+    expected culprits (``expected_culprits``); for ``fixed``, every rank finished and stopped at
+    ``stop_step``.
     """
 
     variant: str
@@ -105,10 +109,17 @@ class EarlyStopRun(report.ResultMixin):
         self.outcome = self._outcome()
 
     @property
+    def expected_culprits(self) -> list[int]:
+        """``[stop_rank]``; on 2 ranks stopping at step 0, both ranks (see ``AMBIGUOUS``)."""
+        if self.num_processes == 2 and self.stop_step == 0:
+            return [0, 1]
+        return [self.stop_rank]
+
+    @property
     def diagnosed_right(self) -> bool:
-        """The doctor called it a hang of the expected kind and blamed ``stop_rank`` alone."""
+        """The doctor called it a hang of the expected kind and blamed the expected culprits."""
         d = self.diagnosis
-        return d.verdict == "hang" and d.kind == self.expected_kind and d.ranks == [self.stop_rank]
+        return d.verdict == "hang" and d.kind == self.expected_kind and d.ranks == self.expected_culprits
 
     @property
     def completed(self) -> bool:
@@ -130,8 +141,9 @@ class EarlyStopRun(report.ResultMixin):
             if d.detected_after_s is not None:
                 found += f", {d.detected_after_s:.1f} s after progress stopped"
             verdict = "as expected" if self.ok else (
-                f"NOT as expected (hang, {self.expected_kind}, rank {self.stop_rank})")
-            return f"{head}{found}; {verdict}."
+                f"NOT as expected (hang, {self.expected_kind}, rank(s) {self.expected_culprits})")
+            note = f" {AMBIGUOUS}" if self.expected_culprits != [self.stop_rank] else ""
+            return f"{head}{found}; {verdict}.{note}"
         if not self.ok:
             steps = {r.rank: r.stopped_at for r in self.ranks}
             return f"{head}did NOT complete as expected: {d.verdict} ({d.kind}), stopped at {steps}."
