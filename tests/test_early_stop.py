@@ -119,3 +119,20 @@ def test_lint_flags_the_broken_loops_and_none_of_the_fixes():
     assert lines[finding.line - 1].strip().startswith("break  # only this rank leaves the loop")
     html = result._repr_html_()
     assert "check_breakpoint" in html and "NOT what the lint should say" not in html
+
+
+def test_the_panel_switches_to_the_broken_loop_and_refuses_a_bad_stop_rank(leftovers):
+    from helpers import ui
+
+    panel = ui.panel(early_stop.run_loop, {"num_processes": 2, "stop_rank": 1, "stop_step": 2,
+                                           "variant": "fixed", "stall_s": 2.0},
+                     choices={"variant": early_stop.VARIANTS})
+    panel.controls["stop_rank"].value = 2  # what a person does with the slider
+    panel.click()
+    assert panel.error.startswith("ValueError: stop_rank must be an integer in 0..1")
+    panel.controls["stop_rank"].value = 0
+    panel.controls["variant"].value = "broken"  # the fixed/broken toggle
+    result = panel.click()
+    assert panel.error is None and panel.status.value == "done"
+    assert result.variant == "broken" and result.diagnosis.ranks == [0] and result.ok
+    leftovers.check()
