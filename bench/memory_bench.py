@@ -61,7 +61,7 @@ def _mark(ok: bool) -> str:
 
 
 def main(names: list[str]) -> int:
-    print(f"batch-size explorer, budget {BUDGET_MIB} MiB, 1 rank, CPU address-space cap")
+    print(f"batch-size explorer, budget {BUDGET_MIB} MiB, 1 rank, CPU cap on private writable memory")
     all_checks = []
     for name in names or list(models.BUILTIN):
         lines, checks = row(name)

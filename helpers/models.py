@@ -98,7 +98,16 @@ def parse(text: str) -> ModelRef:
     file_part, sep, function = text.rpartition(":")
     if not sep or not file_part.endswith(".py") or not function.isidentifier():
         raise ValueError(f"model must be {ACCEPTED}; got {text!r}")
-    return ModelRef(text, params.resolve_path(file_part), function)
+    return ModelRef(text, _locate(file_part), function)
+
+
+def _locate(file_part: str) -> Path:
+    """A relative file is looked for in the working folder (the CLI's), then in the repository
+    root (where notebook parameters resolve, whatever folder the kernel started in)."""
+    path = Path(file_part).expanduser()
+    if path.is_absolute() or (Path.cwd() / path).is_file():
+        return path.resolve()
+    return params.resolve_path(path)
 
 
 def load(text: str) -> Factory:
