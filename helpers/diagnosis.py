@@ -14,6 +14,7 @@ from __future__ import annotations
 import ast
 import json
 import re
+import time
 from collections import deque
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -335,8 +336,10 @@ def diagnose(views: dict[int, RankView], num_processes: int, reason: str,
         detected_after_s = None
     per_rank = [_report(positions[rank]) for rank in range(num_processes)]
     diagnosis = Diagnosis(verdict, kind, culprits, summary, FIXES[kind], detected_after_s, per_rank)
+    # not part of the JSON: what the swimlane, the repro builder and notebooks draw from
     diagnosis.evidence = {"histories": histories, "positions": positions,  # type: ignore[attr-defined]
-                          "views": views, "stacks": stacks or {}, "reason": reason}
+                          "views": views, "stacks": stacks or {}, "reason": reason,
+                          "detected_at": time.time()}
     return diagnosis
 
 
@@ -422,6 +425,7 @@ def position(view: RankView) -> Position:
         return Position(view.rank, "finished", exit_code=0, seq=view.last_seq() or None)
     pos = _current(view)
     if not view.ended and view.exit is None:
+        pos.exit_code = view.exit_code  # known after the fact for a rank its launcher stopped
         return pos
     pos.state, pos.exit_code, pos.abnormal = "exited", view.exit_code, True
     error = exit_record.get("error")
@@ -516,7 +520,7 @@ _FH_FRAME = re.compile(r'^\s+File "(?P<file>[^"]+)", line (?P<line>\d+) in (?P<f
 def faulthandler_stack(text: str) -> list[dict[str, Any]]:
     """The main thread's frames (outermost first) from faulthandler's last dump in ``text``.
 
-    The main thread is the one whose outermost frame is a module (``<module>``).
+    The main thread is the one running a module's code (a ``<module>`` frame).
     """
     if not text:
         return []
@@ -527,7 +531,7 @@ def faulthandler_stack(text: str) -> list[dict[str, Any]]:
         frames = [{"file": m["file"], "line": int(m["line"]), "func": m["func"],
                    "user": user_path(m["file"]), "where": f"{Path(m['file']).name}:{m['line']}"}
                   for m in _FH_FRAME.finditer(block)][::-1]
-        if frames and frames[0]["func"] == "<module>":
+        if any(frame["func"] == "<module>" for frame in frames):
             dumps.append(frames)
     return dumps[-1] if dumps else []
 
@@ -583,8 +587,9 @@ def _activity(rank: int, frame: dict[str, Any], stack: list[dict[str, Any]]) -> 
 def _classify(positions: dict[int, Position], histories: dict[int, dict], views: dict[int, RankView]):
     divergence = first_divergence(histories)
     python = first_divergence({rank: python_history(view) for rank, view in views.items()})
-    if python is not None and (divergence is None or python[0][1] < divergence[0][1]):
-        divergence = python
+    if python is not None and (divergence is None or (python[0][1], -len(python[2])) <
+                               (divergence[0][1], -len(divergence[2]))):
+        divergence = python  # earlier, or as early and seen by more ranks (a killed rank has no FR)
     if divergence is not None:
         return _divergence_kind(divergence, positions, histories)
     exited = _exited_culprits(positions)

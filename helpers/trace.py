@@ -417,6 +417,7 @@ class _Helper(threading.Thread):
         super().__init__(name="helpers-trace", daemon=True)
         self.tracer = tracer
         self.stopping = threading.Event()
+        self.wake_read, self.wake_write = os.pipe()  # stop() wakes the select at once
         self.fifo: int | None = None
         path = control_path(tracer.run_dir, tracer.rank)
         if path.exists():
@@ -429,7 +430,10 @@ class _Helper(threading.Thread):
         motion: tuple = ()
         still_since, written = time.time(), False
         while not self.stopping.is_set():
-            ready = select.select([self.fifo] if self.fifo is not None else [], [], [], POLL_S)[0]
+            watched = [self.wake_read] + ([self.fifo] if self.fifo is not None else [])
+            ready = [fd for fd in select.select(watched, [], [], POLL_S)[0] if fd == self.fifo]
+            if self.stopping.is_set():
+                break
             progress = group_progress()
             if progress and progress != last:
                 self.tracer.write({"ev": "pg", "t": time.time(), "pg": progress})
@@ -451,12 +455,12 @@ class _Helper(threading.Thread):
 
     def stop(self) -> None:
         self.stopping.set()
-        if self.fifo is not None:
-            os.write(self.fifo, b"\n")
+        os.write(self.wake_write, b"x")
         self.join(timeout=2 * POLL_S + 1)
-        if self.fifo is not None:
-            os.close(self.fifo)
-            self.fifo = None
+        for fd in (self.fifo, self.wake_read, self.wake_write):
+            if fd is not None:
+                os.close(fd)
+        self.fifo = None
 
 
 def _read_available(fd: int) -> bytes:
@@ -513,16 +517,16 @@ def finish(status: str, error: BaseException | None = None) -> None:
     tracer = _tracer
     if tracer is None:
         return
-    if tracer.helper is not None:
-        tracer.helper.stop()
     record: dict[str, Any] = {"ev": "exit", "status": status, "t": time.time(), "pg": group_progress()}
     if error is not None:
         record["error"] = f"{type(error).__name__}: {error}"[:800]
         site = traceback_site(error.__traceback__)
         if site:
             record.update(site)
+    tracer.write(record)  # first: a launcher may stop this process any moment now
+    if tracer.helper is not None:
+        tracer.helper.stop()
     write_state(tracer, "final")
-    tracer.write(record)
     tracer.unpatch()
     os.close(tracer.fd)
     _tracer = None

@@ -40,6 +40,8 @@ def check_diagnosis(data: dict, scenario: scenarios.Scenario, launcher: str, num
         wanted = culprit_at if entry["rank"] in data["ranks"] else others_at
         if wanted:
             assert entry["location"] == wanted, text
+    if scenario.summary_line:
+        assert f" at {scenario.location(scenario.summary_line)} " in data["summary"], text
     if data["verdict"] in ("hang", "crash") and stall_s is not None:
         assert data["detected_after_s"] is not None and data["detected_after_s"] <= stall_s + 3, text
 

@@ -12,7 +12,8 @@ Launchers: ``launch`` (``helpers.launch`` forks ranks that call ``main``), ``cli
 traces afterwards, the hang ending at torch's process-group timeout instead of at ``stall_s``).
 The kind names the first divergence, so it can differ by launcher (see each row's ``notes``).
 Lines marked ``# doctor-line: <name>`` are where the doctor must place a rank (the culprits at
-``culprit_line``, the others at ``others_line``; a killed rank has no line).
+``culprit_line``, the others at ``others_line``; a killed rank has no line; a rank that got past
+the mismatched collective is placed where it is now, and the summary names ``summary_line``).
 """
 
 from __future__ import annotations
@@ -54,6 +55,7 @@ class Scenario:
     culprit_rule: str  # the culprit rule in words, for the table
     culprit_line: str | None  # doctor-line marker where the doctor places the culprit ranks
     others_line: str | None = None  # ... and the other ranks (None: not checked)
+    summary_line: str | None = None  # a marker whose location the summary must name
     variants: tuple[str, ...] = ("broken", "fixed")
     fix: str = ""
     notes: str = ""
@@ -140,7 +142,7 @@ SCENARIOS: tuple[Scenario, ...] = (
         "variable-gather", "variable_gather",
         "accelerator.gather of tensors with different lengths per rank",
         _same("shape-mismatch", "crash", "hang", "mismatch"), _shape_culprits,
-        "DIVERGE_RANK on 3+ ranks; both ranks on 2 (no majority)", "gather", None,
+        "DIVERGE_RANK on 3+ ranks; both ranks on 2 (no majority)", None, None, "gather",
         fix="accelerator.pad_across_processes before gather, drop the padding after",
         notes="on gloo the mismatched all_gather aborts the process (SIGABRT, 'Received data size "
               "doesn't match expected size'); NCCL may hang or return garbage"),

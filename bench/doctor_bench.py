@@ -1,0 +1,208 @@
+"""Benchmark of the hang doctor (issue 4). Prints figures measured side by side in one run.
+
+1. Detection: for each broken catalog scenario on 2 gloo ranks, the seconds from the stall to the
+   doctor's diagnosis (``stall_s`` = 2), next to what torch gives by default: its process-group
+   timeout (30 min gloo, 10 min NCCL) and what ``TORCH_DISTRIBUTED_DEBUG=DETAIL`` reports under
+   plain torchrun (run with a 10 s process-group timeout so the bench ends; wall seconds include
+   about as much start-up as the doctor's run).
+2. Tracer overhead on 2 gloo ranks: interleaved blocks of untraced, traced and untraced all_reduces
+   of 4 KiB and 1 MiB in the same ranks: traced/untraced next to untraced/untraced (the noise
+   floor). The Flight Recorder (on in those blocks) is measured the same way at launch granularity.
+3. The wrapper's own CPU time per call, on one rank (target <= 20 microseconds).
+
+Run: .venv/bin/python bench/doctor_bench.py [--quick]
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+import tempfile
+import time
+
+from helpers import doctor, launch, scenarios
+
+STALL_S = 2.0
+SIZES = {"4 KiB": 1024, "1 MiB": 256 * 1024}  # float32 elements
+BLOCKS, CALLS = 12, 60
+TARGET_WRAPPER_US = 20.0
+
+
+# ---------------------------------------------------------------------------------------------
+# 1. detection
+
+
+def detection_rows(quick: bool) -> list[str]:
+    import torch.distributed.constants as constants
+
+    gloo_s = constants.default_pg_timeout.total_seconds()
+    nccl_s = getattr(constants, "default_pg_nccl_timeout", constants.default_pg_timeout).total_seconds()
+    lines = [f"torch's default process-group timeout: gloo {gloo_s:.0f} s, NCCL {nccl_s:.0f} s",
+             f"{'scenario':<22}{'doctor kind':<21}{'doctor s':>9}{'wall s':>8}{'x faster':>10}"
+             f"{'DETAIL wall s':>15}  DETAIL says"]
+    for scenario in scenarios.SCENARIOS:
+        if scenario.id == "healthy":
+            continue
+        started = time.monotonic()
+        found = doctor.run_function(scenario.load().main, kwargs={"variant": "broken"}, num_processes=2,
+                                    stall_s=STALL_S, timeout_s=120)
+        wall = time.monotonic() - started
+        detail_wall, said = (None, "(skipped: --quick)") if quick else detail_run(scenario)
+        after = found.detected_after_s or 0.0
+        faster = gloo_s / max(after, 1e-3)
+        lines.append(f"{scenario.id:<22}{found.kind:<21}{after:>9.2f}{wall:>8.1f}{faster:>10.0f}"
+                     f"{detail_wall if detail_wall is None else f'{detail_wall:.1f}':>15}  {said}")
+    return lines
+
+
+def detail_run(scenario: scenarios.Scenario) -> tuple[float, str]:
+    """Plain torchrun with TORCH_DISTRIBUTED_DEBUG=DETAIL: wall seconds and its first telling line."""
+    with tempfile.TemporaryDirectory(prefix="helpers-bench-") as scratch:
+        env = {**os.environ, "TORCH_DISTRIBUTED_DEBUG": "DETAIL", "TMPDIR": scratch}
+        argv = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--max-restarts",
+                "0", "--master-port", str(launch.free_port()),
+                *scenario.command("broken", pg_timeout_s=10)]
+        started = time.monotonic()
+        done = subprocess.run(argv, env=env, capture_output=True, text=True, timeout=300)
+        wall = time.monotonic() - started
+    return wall, _telling_line(done.stdout + done.stderr)
+
+
+_TELLING = re.compile(r"(Detected mismatch[^\n]*|Timed out[^\n]*|Connection (?:reset|closed)[^\n]*|"
+                      r"Received data size[^\n]*|DistBackendError[^\n]*)")
+
+
+def _telling_line(output: str) -> str:
+    found = _TELLING.search(output)
+    if not found:
+        return "(nothing: the run ended without an error)"
+    text = re.sub(r"\[/[^\]]+\] ", "", found.group(1))
+    return text if len(text) <= 110 else text[:107] + "..."
+
+
+# ---------------------------------------------------------------------------------------------
+# 2. tracer overhead
+
+
+def _timed_blocks(sizes: dict[str, int], blocks: int, calls: int, toggle: bool) -> dict[str, list]:
+    """Inside a rank: seconds per block, by (size, mode); modes U1, T, U2 rotate between blocks."""
+    import torch
+    import torch.distributed as dist
+
+    from helpers import trace
+
+    tracer = trace.install(os.environ["TMPDIR"], dist.get_rank()) if toggle else None
+    modes = ["untraced", "traced", "untraced again"] if toggle else ["untraced", "untraced again"]
+    times: dict[str, list] = {f"{s} {m}": [] for s in sizes for m in modes}
+    for name, count in sizes.items():
+        tensor = torch.ones(count)
+        for block in range(blocks):
+            for mode in modes[block % len(modes):] + modes[:block % len(modes)]:
+                if tracer is not None:
+                    (tracer.patch if mode == "traced" else tracer.unpatch)()
+                dist.barrier()
+                started = time.perf_counter()
+                for _ in range(calls):
+                    dist.all_reduce(tensor)
+                times[f"{name} {mode}"].append(time.perf_counter() - started)
+    if tracer is not None:
+        trace.finish("finished")
+    return times
+
+
+def _median(values: list[float]) -> float:
+    ordered = sorted(values)
+    return ordered[len(ordered) // 2]
+
+
+def overhead_rows(quick: bool) -> list[str]:
+    blocks = 6 if quick else BLOCKS
+    times = launch.launch(_timed_blocks, (SIZES, blocks, CALLS, True), num_processes=2, timeout_s=600,
+                          doctor=False, env={"TORCH_FR_BUFFER_SIZE": "256"})[0]
+    lines = [f"wrapper on/off, interleaved in the same 2 ranks ({blocks} blocks of {CALLS} calls per mode; "
+             "Flight Recorder on throughout):",
+             f"{'size':<8}{'untraced us/call':>18}{'traced us/call':>16}{'traced/untraced':>17}"
+             f"{'untraced/untraced':>19}"]
+    for name in SIZES:
+        base = _median(times[f"{name} untraced"])
+        traced = _median(times[f"{name} traced"])
+        again = _median(times[f"{name} untraced again"])
+        lines.append(f"{name:<8}{1e6 * base / CALLS:>18.1f}{1e6 * traced / CALLS:>16.1f}"
+                     f"{traced / base:>17.3f}{again / base:>19.3f}")
+    lines += flight_recorder_rows(blocks)
+    return lines
+
+
+def flight_recorder_rows(blocks: int) -> list[str]:
+    """Flight Recorder on vs off: alternating launches (its buffer size is fixed per process)."""
+    runs: dict[str, list[dict]] = {"off": [], "on": [], "off again": []}
+    for index in range(3):
+        for mode in ("off", "on", "off again")[index:] + ("off", "on", "off again")[:index]:
+            env = {"TORCH_FR_BUFFER_SIZE": "256" if mode == "on" else "0"}
+            runs[mode].append(launch.launch(_timed_blocks, (SIZES, max(2, blocks // 3), CALLS, False),
+                                            num_processes=2, timeout_s=600, doctor=False, env=env)[0])
+    lines = ["Flight Recorder on/off, alternating launches (3 launches per mode):",
+             f"{'size':<8}{'off us/call':>13}{'on us/call':>12}{'on/off':>9}{'off/off':>9}"]
+    for name in SIZES:
+        def per_call(mode: str, size: str = name) -> float:
+            return _median([t for run in runs[mode] for key, v in run.items() if key.startswith(size)
+                            for t in v]) / CALLS
+        off, on, again = per_call("off"), per_call("on"), per_call("off again")
+        lines.append(f"{name:<8}{1e6 * off:>13.1f}{1e6 * on:>12.1f}{on / off:>9.3f}{again / off:>9.3f}")
+    return lines
+
+
+# ---------------------------------------------------------------------------------------------
+# 3. the wrapper's own CPU time
+
+
+def _wrapper_cpu(calls: int) -> tuple[float, float]:
+    """Inside one rank: thread CPU seconds per call, untraced and traced (tiny all_reduce)."""
+    import torch
+    import torch.distributed as dist
+
+    from helpers import trace
+
+    tensor = torch.ones(4)
+    tracer = trace.install(os.environ["TMPDIR"], dist.get_rank())
+    results = {}
+    for _round in range(3):
+        for mode in ("untraced", "traced"):
+            (tracer.patch if mode == "traced" else tracer.unpatch)()
+            started = time.thread_time()
+            for _ in range(calls):
+                dist.all_reduce(tensor)
+            results.setdefault(mode, []).append((time.thread_time() - started) / calls)
+    trace.finish("finished")
+    return min(results["untraced"]), min(results["traced"])
+
+
+def wrapper_rows() -> tuple[list[str], bool]:
+    untraced, traced = launch.launch(_wrapper_cpu, (5000,), num_processes=1, timeout_s=600, doctor=False)[0]
+    own = 1e6 * (traced - untraced)
+    ok = own <= TARGET_WRAPPER_US
+    verdict = "met" if ok else "MISSED"
+    return ([f"wrapper CPU per call on 1 rank: untraced {1e6 * untraced:.1f} us, traced "
+             f"{1e6 * traced:.1f} us, wrapper's own {own:.1f} us (target <= {TARGET_WRAPPER_US:.0f} us: "
+             f"{verdict})"], ok)
+
+
+def main(argv: list[str]) -> int:
+    quick = "--quick" in argv
+    print("== 1. seconds from the stall to a diagnosis ==")
+    for line in detection_rows(quick):
+        print(line, flush=True)
+    print("\n== 2. tracer overhead, 2 gloo ranks ==")
+    for line in overhead_rows(quick):
+        print(line, flush=True)
+    print("\n== 3. wrapper cost ==")
+    lines, ok = wrapper_rows()
+    for line in lines:
+        print(line)
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
