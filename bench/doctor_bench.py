@@ -38,9 +38,10 @@ def detection_rows(quick: bool) -> list[str]:
     import torch.distributed.constants as constants
 
     gloo_s = constants.default_pg_timeout.total_seconds()
-    nccl_s = getattr(constants, "default_pg_nccl_timeout", constants.default_pg_timeout).total_seconds()
-    lines = [f"torch's default process-group timeout: gloo {gloo_s:.0f} s, NCCL {nccl_s:.0f} s",
-             f"{'scenario':<22}{'doctor kind':<21}{'doctor s':>9}{'wall s':>8}{'x faster':>10}"
+    nccl = constants.default_pg_nccl_timeout  # None in a torch built without NCCL
+    nccl_text = f"{nccl.total_seconds():.0f} s" if nccl else "600 s (this torch has no NCCL; 10 min per c10d)"
+    lines = [f"torch's default process-group timeout: gloo {gloo_s:.0f} s, NCCL {nccl_text}",
+             f"{'scenario':<22}{'doctor kind':<21}{'doctor s':>9}{'wall s':>8}{'x gloo':>10}"
              f"{'DETAIL wall s':>15}  DETAIL says"]
     for scenario in scenarios.SCENARIOS:
         if scenario.id == "healthy":
@@ -51,9 +52,11 @@ def detection_rows(quick: bool) -> list[str]:
         wall = time.monotonic() - started
         detail_wall, said = (None, "(skipped: --quick)") if quick else detail_run(scenario)
         after = found.detected_after_s or 0.0
-        faster = gloo_s / max(after, 1e-3)
-        lines.append(f"{scenario.id:<22}{found.kind:<21}{after:>9.2f}{wall:>8.1f}{faster:>10.0f}"
-                     f"{detail_wall if detail_wall is None else f'{detail_wall:.1f}':>15}  {said}")
+        # a hang waits for torch's timeout; a crash ends at once with or without the doctor
+        faster = f"{gloo_s / max(after, 1e-3):.0f}" if found.verdict == "hang" else "(crash)"
+        detail = "-" if detail_wall is None else f"{detail_wall:.1f}"
+        lines.append(f"{scenario.id:<22}{found.kind:<21}{after:>9.2f}{wall:>8.1f}{faster:>10}"
+                     f"{detail:>15}  {said}")
     return lines
 
 
