@@ -7,7 +7,7 @@ never harms the caller:
 - on the CPU the child caps its own private writable memory (``RLIMIT_DATA``) at its baseline plus
   the budget, after torch is loaded; torch's allocator then raises its genuine "DefaultCPUAllocator:
   can't allocate memory" error, which accelerate's ``should_reduce_batch_size`` recognises (oneDNN
-  is turned off in the child so that every allocation goes through torch's allocator);
+  and NNPACK are turned off in the child so that every allocation goes through torch's allocator);
 - on a GPU the child limits torch's caching allocator with
   ``torch.cuda.set_per_process_memory_fraction`` (the whole GPU when the budget is larger), and
   torch raises its genuine "CUDA out of memory" error.
@@ -329,12 +329,23 @@ def _plot_tries(ax: Any, strategies: list[StrategyResult]) -> None:
                    [p.batch_size for p in probes if not p.ok], color=color, marker="x", zorder=3)
         ax.plot([], [], color=color, label=f"{s.strategy}: {s.found} after {len(probes)} steps")
     ax.scatter([], [], color="gray", marker="x", label="out of memory")
-    ax.set_yscale("log", base=2)
+    _log2_y(ax)
     ax.set_xlabel("training step tried")
     ax.set_ylabel("batch size")
     ax.set_title("every try")
     ax.grid(True, alpha=0.3)
     ax.legend(fontsize=8)
+
+
+def _log2_y(ax: Any) -> None:
+    """A base-2 log y scale labelled with plain numbers (1, 4, 16, ...): readable batch sizes, and
+    no mathtext (drawn from the widget panel in JupyterLab, mathtext tick labels such as
+    ``$\\mathdefault{2^{0}}$`` failed with a pyparsing ParseException; the cause is not known)."""
+    from matplotlib.ticker import FuncFormatter, NullFormatter
+
+    ax.set_yscale("log", base=2)
+    ax.yaxis.set_major_formatter(FuncFormatter(lambda value, _: f"{value:g}"))
+    ax.yaxis.set_minor_formatter(NullFormatter())
 
 
 def _plot_memory(ax: Any, result: ExploreResult) -> None:
@@ -353,7 +364,7 @@ def _plot_memory(ax: Any, result: ExploreResult) -> None:
     if result.fit is not None:
         ax.plot([0, right], [result.fit.bytes_at(0) / MIB, result.fit.bytes_at(right) / MIB], "--",
                 color=_COLORS["search"], alpha=0.6,
-                label=f"fit: {result.fit.intercept_bytes / MIB:.0f} MiB + "
+                label=f"fit: {round(result.fit.intercept_bytes / MIB)} MiB + "
                       f"{result.fit.per_sample_bytes / MIB:.2f} MiB x batch")
     for s in result.strategies:
         if s.found:

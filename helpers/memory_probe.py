@@ -158,26 +158,31 @@ def make_cap(device: str, budget_bytes: int) -> CpuCap | CudaCap:
 
 
 def _only_torch_allocates() -> None:
-    """Turn oneDNN off in this (child) process, so every allocation goes through torch's allocator.
+    """Turn oneDNN and NNPACK off in this (child) process, so every allocation goes through
+    torch's allocator and fails with its error.
 
-    oneDNN allocates some buffers itself: under a cap its convolutions then fail with "could not
-    create a primitive", an error accelerate's ``should_reduce_batch_size`` does not recognise, and
-    their memory varies from run to run. On a GPU every allocation goes through torch's allocator.
+    Both allocate buffers themselves. Under a cap oneDNN's convolutions fail with "could not
+    create a primitive" and NNPACK's with "posix_memalign failed", errors accelerate's
+    ``should_reduce_batch_size`` does not recognise, and oneDNN's memory use varies from run to
+    run. On a GPU every allocation goes through torch's caching allocator.
     """
     import torch
 
     torch.backends.mkldnn.enabled = False
+    torch.backends.nnpack.set_flags(False)
 
 
 def is_out_of_memory(exc: BaseException) -> bool:
     """True for memory exhaustion: what accelerate's ``should_reduce_batch_size`` recognises, plus
-    Python's MemoryError and C++'s bad_alloc, which a cap can also produce."""
+    Python's MemoryError, C++'s bad_alloc and errno 12 ("Cannot allocate memory", as from
+    ``posix_memalign``), which a cap can also produce."""
     from accelerate.utils.memory import should_reduce_batch_size
 
     if isinstance(exc, Exception) and should_reduce_batch_size(exc):
         return True
     text = str(exc)
-    return isinstance(exc, MemoryError) or "bad_alloc" in text or "can't allocate memory" in text
+    return isinstance(exc, MemoryError) or any(
+        sign in text for sign in ("bad_alloc", "can't allocate memory", "Cannot allocate memory"))
 
 
 def describe(exc: BaseException) -> str:
