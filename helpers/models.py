@@ -30,8 +30,8 @@ Factory = Callable[[], tuple[Any, Callable[[int], Any]]]
 # Built-in shapes. The sizes are part of the contract with the notebook's defaults (see the module
 # docstring); bench/memory_bench.py measures where each limit lies.
 MLP_POSITIONS, MLP_WIDTH, MLP_HIDDEN = 1000, 16, 128
-CONV_SIDE, CONV_CHANNELS = 96, 8
-TRANSFORMER_TOKENS, TRANSFORMER_WIDTH, TRANSFORMER_HEADS, TRANSFORMER_LAYERS = 640, 32, 4, 2
+CONV_SIDE, CONV_CHANNELS = 70, 8
+TRANSFORMER_TOKENS, TRANSFORMER_WIDTH, TRANSFORMER_HEADS, TRANSFORMER_LAYERS = 320, 64, 4, 2
 
 
 def build_mlp() -> tuple[Any, Callable[[int], Any]]:
@@ -47,7 +47,7 @@ def build_mlp() -> tuple[Any, Callable[[int], Any]]:
 
 
 def build_conv() -> tuple[Any, Callable[[int], Any]]:
-    """A small conv net on 3x96x96 images: conv-BatchNorm-ReLU twice, pooling, once more, a
+    """A small conv net on 3x70x70 images: conv-BatchNorm-ReLU twice, pooling, once more, a
     linear classifier."""
     import torch
     from torch import nn
@@ -62,7 +62,7 @@ def build_conv() -> tuple[Any, Callable[[int], Any]]:
 
 
 def build_transformer() -> tuple[Any, Callable[[int], Any]]:
-    """A 2-layer transformer encoder (width 32, 4 heads) over sequences of 640 tokens."""
+    """A 2-layer transformer encoder (width 64, 4 heads) over sequences of 320 tokens."""
     import torch
     from torch import nn
 
