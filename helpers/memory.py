@@ -410,7 +410,7 @@ def resolve_device(device: str, num_processes: int) -> str:
     has_gpus = default_backend(num_processes) == "nccl"
     if device == "cuda" and not has_gpus:
         raise ValueError(f"device='cuda' is not available here: NVML finds no NVIDIA GPU for each of "
-                         f"the {num_processes} rank(s) on this machine; use device='cpu' (a real "
+                         f"the {num_processes} rank(s) on this machine; use device='cpu' (a real cap "
                          f"address-space cap) or run where GPUs are")
     if device == "auto":
         return "cuda" if has_gpus else "cpu"

@@ -20,7 +20,6 @@ _M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD = -1, -3  # glibc malloc.h
 _MALLOC_THRESHOLD_BYTES = 128 * 1024  # glibc's default starting mmap threshold
 
 
-
 def _proc_status() -> dict[str, int]:
     wanted = ("VmPeak", "VmSize", "VmHWM", "VmRSS", "VmData")
     values = {}
@@ -40,13 +39,13 @@ class _MallInfo2(ctypes.Structure):
 
 def _steady_malloc() -> int:
     """Make glibc's malloc account for memory the same way in every probe; return the free heap
-    bytes this process inherited (usable without growing the address space).
+    bytes this process inherited (already writable: usable without growing the data size).
 
     By default glibc raises its mmap threshold as large blocks are freed (up to 32 MiB) and keeps
     freed blocks below it in the heap, so how much address space a step takes depends on what the
     process did before: on the caller's history for a forked child, on earlier attempts for
     accelerate's loop. Fixing the threshold at 128 KiB makes every large tensor its own mapping,
-    returned on free: the address space then follows the live tensors. No-op without glibc.
+    returned on free: memory use then follows the live tensors. No-op without glibc.
     """
     try:
         libc = ctypes.CDLL(None)
@@ -151,6 +150,7 @@ class CudaCap:
 
 
 def make_cap(device: str, budget_bytes: int) -> CpuCap | CudaCap:
+    """The budget for this process on ``device`` ("cpu" or "cuda"); call ``release()`` after."""
     if device == "cuda":
         return CudaCap(budget_bytes)
     _only_torch_allocates()
@@ -186,6 +186,7 @@ def is_out_of_memory(exc: BaseException) -> bool:
 
 
 def describe(exc: BaseException) -> str:
+    """'RuntimeError: <first line of the message>', as a probe records it."""
     first = (str(exc).strip().splitlines() or [""])[0]
     return f"{type(exc).__name__}: {first}"
 
