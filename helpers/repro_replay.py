@@ -435,11 +435,9 @@ def _anonymous(text: str) -> str:
 
 
 def _imports(ends: set[str]) -> str:
-    stdlib = ["argparse", "datetime"]
+    stdlib = ["argparse", "datetime", "time"]
     if "signal" in ends:
         stdlib += ["os"]
-    if "busy" in ends:
-        stdlib += ["time"]
     lines = [f"import {name}" for name in sorted(stdlib)]
     lines += ["", "import torch", "import torch.distributed as dist",
               "from accelerate import Accelerator, InitProcessGroupKwargs", ""]
@@ -447,7 +445,8 @@ def _imports(ends: set[str]) -> str:
 
 
 def _constants(plan: ReplayPlan) -> str:
-    lines = ["PG_TIMEOUT_S = 0.0  # process-group timeout, seconds (0: torch's default, 30 min on gloo)"]
+    lines = ["PG_TIMEOUT_S = 0.0  # process-group timeout, seconds (0: torch's default, 30 min on gloo)",
+             "GAP_S = 0.002  # pause between operations: a tracer tells consecutive calls apart by time"]
     if any(rank.end == "busy" for rank in plan.ranks):
         lines.append("BUSY_S = 600.0  # how long a rank that was busy outside any collective stays busy")
     lines += ["", "# Each rank's operations in order: (op, input shapes, dtype[, peer]); the comment says",
@@ -550,7 +549,7 @@ def _wrap_code(line: str, limit: int = 110) -> str:
 def _main_function(ends: set[str], own_path: bool) -> str:
     lines = [
         "",
-        "def main(pg_timeout_s=PG_TIMEOUT_S" + (", busy_s=BUSY_S" if "busy" in ends else "") + "):",
+        f"def main(pg_timeout_s=PG_TIMEOUT_S, gap_s=GAP_S{', busy_s=BUSY_S' if 'busy' in ends else ''}):",
         '    """Issue this rank\'s recorded operations, then stop where the original stopped."""',
         "    timeout = datetime.timedelta(seconds=pg_timeout_s)",
         "    handlers = [InitProcessGroupKwargs(timeout=timeout)] if pg_timeout_s else []",
@@ -565,11 +564,13 @@ def _main_function(ends: set[str], own_path: bool) -> str:
             "        own = rank in OWN_PATH and index >= OWN_PATH[rank]",
             "        call = issue_on_own_path if own else issue",
             "        call(op, shapes, dtype, peer[0] if peer else None, accelerator.device, rank, world)",
+            "        time.sleep(gap_s)",
         ]
     else:
         lines += [
             "    for op, shapes, dtype, *peer in PLAN[rank]:",
             "        issue(op, shapes, dtype, peer[0] if peer else None, accelerator.device, rank, world)",
+            "        time.sleep(gap_s)",
         ]
     if ends & {"signal", "exit", "raise"}:
         lines.append("    end, value = ENDS[rank]")
