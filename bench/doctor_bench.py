@@ -26,8 +26,9 @@ from helpers import doctor, launch, scenarios
 
 STALL_S = 2.0
 SIZES = {"4 KiB": 1024, "1 MiB": 256 * 1024}  # float32 elements
-BLOCKS, CALLS = 12, 60
+BLOCKS, CALLS = 30, 40
 TARGET_WRAPPER_US = 20.0
+BUSY_US = 10.0  # a control: that much plain CPU before each call, no tracer (about the wrapper's cost)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -73,16 +74,23 @@ def detail_run(scenario: scenarios.Scenario) -> tuple[float, str]:
     return wall, _telling_line(done.stdout + done.stderr)
 
 
-_TELLING = re.compile(r"(Detected mismatch[^\n]*|Timed out[^\n]*|Connection (?:reset|closed)[^\n]*|"
-                      r"Received data size[^\n]*|DistBackendError[^\n]*)")
+_TELLING = [re.compile(p) for p in (
+    r"Detected mismatch[^\n]*", r"Ranks? [\d, ]+failed to pass monitoredBarrier[^\n]*",
+    r"Received data size[^\n]*", r"Timed out[^\n]*", r"Connection (?:reset|closed)[^\n]*")]
+_DIED = re.compile(r"exitcode\s*:\s*-\d+ \(pid: \d+\)\s*\((SIG\w+)\)")
 
 
 def _telling_line(output: str) -> str:
-    found = _TELLING.search(output)
-    if not found:
-        return "(nothing: the run ended without an error)"
-    text = re.sub(r"\[/[^\]]+\] ", "", found.group(1))
-    return text if len(text) <= 110 else text[:107] + "..."
+    """The first line that says something, most telling kind first; else how the ranks died."""
+    for pattern in _TELLING:
+        found = pattern.search(output)
+        if found:
+            text = re.sub(r"\[/[^\]]+\] ", "", found.group(0))
+            return text if len(text) <= 110 else text[:107] + "..."
+    signals = sorted(set(_DIED.findall(output)))
+    if signals:
+        return f"no message: the ranks died by {', '.join(signals)}"
+    return "(nothing: the run ended without an error)"
 
 
 # ---------------------------------------------------------------------------------------------
@@ -97,7 +105,7 @@ def _timed_blocks(sizes: dict[str, int], blocks: int, calls: int, toggle: bool) 
     from helpers import trace
 
     tracer = trace.install(os.environ["TMPDIR"], dist.get_rank()) if toggle else None
-    modes = ["untraced", "traced", "untraced again"] if toggle else ["untraced", "untraced again"]
+    modes = ["untraced", "traced", "untraced again", "busy"] if toggle else ["untraced", "untraced again"]
     times: dict[str, list] = {f"{s} {m}": [] for s in sizes for m in modes}
     for name, count in sizes.items():
         tensor = torch.ones(count)
@@ -105,9 +113,12 @@ def _timed_blocks(sizes: dict[str, int], blocks: int, calls: int, toggle: bool) 
             for mode in modes[block % len(modes):] + modes[:block % len(modes)]:
                 if tracer is not None:
                     (tracer.patch if mode == "traced" else tracer.unpatch)()
+                busy = BUSY_US * 1e-6 if mode == "busy" else 0.0
                 dist.barrier()
                 started = time.perf_counter()
                 for _ in range(calls):
+                    if busy:
+                        _spin(busy)
                     dist.all_reduce(tensor)
                 times[f"{name} {mode}"].append(time.perf_counter() - started)
     if tracer is not None:
@@ -115,25 +126,38 @@ def _timed_blocks(sizes: dict[str, int], blocks: int, calls: int, toggle: bool) 
     return times
 
 
+def _spin(seconds: float) -> None:
+    end = time.perf_counter() + seconds
+    while time.perf_counter() < end:
+        pass
+
+
 def _median(values: list[float]) -> float:
     ordered = sorted(values)
     return ordered[len(ordered) // 2]
+
+
+def _median_ratio(numerators: list[float], denominators: list[float]) -> float:
+    """Median of paired ratios: each round against the round next to it in time."""
+    return _median([a / b for a, b in zip(numerators, denominators, strict=True)])
 
 
 def overhead_rows(quick: bool) -> list[str]:
     blocks = 6 if quick else BLOCKS
     times = launch.launch(_timed_blocks, (SIZES, blocks, CALLS, True), num_processes=2, timeout_s=600,
                           doctor=False, env={"TORCH_FR_BUFFER_SIZE": "256"})[0]
-    lines = [f"wrapper on/off, interleaved in the same 2 ranks ({blocks} blocks of {CALLS} calls per mode; "
-             "Flight Recorder on throughout):",
+    lines = [f"wrapper on/off, interleaved in the same 2 ranks ({blocks} rounds of {CALLS} calls per mode; "
+             "Flight Recorder on throughout; ratios are medians of each round's ratio; 'busy' spins "
+             f"{BUSY_US:.0f} us of plain CPU before each untraced call, a control for what any per-call "
+             "CPU costs on this machine):",
              f"{'size':<8}{'untraced us/call':>18}{'traced us/call':>16}{'traced/untraced':>17}"
-             f"{'untraced/untraced':>19}"]
+             f"{'untraced/untraced':>19}{'busy/untraced':>15}"]
     for name in SIZES:
-        base = _median(times[f"{name} untraced"])
-        traced = _median(times[f"{name} traced"])
-        again = _median(times[f"{name} untraced again"])
-        lines.append(f"{name:<8}{1e6 * base / CALLS:>18.1f}{1e6 * traced / CALLS:>16.1f}"
-                     f"{traced / base:>17.3f}{again / base:>19.3f}")
+        base, traced, again, busy = (times[f"{name} {mode}"]
+                                     for mode in ("untraced", "traced", "untraced again", "busy"))
+        lines.append(f"{name:<8}{1e6 * _median(base) / CALLS:>18.1f}{1e6 * _median(traced) / CALLS:>16.1f}"
+                     f"{_median_ratio(traced, base):>17.3f}{_median_ratio(again, base):>19.3f}"
+                     f"{_median_ratio(busy, base):>15.3f}")
     lines += flight_recorder_rows(blocks)
     return lines
 
@@ -146,14 +170,15 @@ def flight_recorder_rows(blocks: int) -> list[str]:
             env = {"TORCH_FR_BUFFER_SIZE": "256" if mode == "on" else "0"}
             runs[mode].append(launch.launch(_timed_blocks, (SIZES, max(2, blocks // 3), CALLS, False),
                                             num_processes=2, timeout_s=600, doctor=False, env=env)[0])
-    lines = ["Flight Recorder on/off, alternating launches (3 launches per mode):",
+    lines = ["Flight Recorder on/off, alternating launches (3 launches per mode; paired by round):",
              f"{'size':<8}{'off us/call':>13}{'on us/call':>12}{'on/off':>9}{'off/off':>9}"]
     for name in SIZES:
-        def per_call(mode: str, size: str = name) -> float:
-            return _median([t for run in runs[mode] for key, v in run.items() if key.startswith(size)
-                            for t in v]) / CALLS
-        off, on, again = per_call("off"), per_call("on"), per_call("off again")
-        lines.append(f"{name:<8}{1e6 * off:>13.1f}{1e6 * on:>12.1f}{on / off:>9.3f}{again / off:>9.3f}")
+        def per_launch(mode: str, size: str = name) -> list[float]:
+            return [_median([t for key, v in run.items() if key.startswith(size) for t in v]) / CALLS
+                    for run in runs[mode]]
+        off, on, again = per_launch("off"), per_launch("on"), per_launch("off again")
+        lines.append(f"{name:<8}{1e6 * _median(off):>13.1f}{1e6 * _median(on):>12.1f}"
+                     f"{_median_ratio(on, off):>9.3f}{_median_ratio(again, off):>9.3f}")
     return lines
 
 

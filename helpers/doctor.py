@@ -234,9 +234,11 @@ def _ask(fifo: Path, tag: str) -> bool:
 
 
 def _attach(error: LaunchError, diagnosis: Diagnosis) -> None:
+    """Carry the diagnosis on the error, and say it in its traceback (a note, Python 3.11+)."""
     error.diagnosis = diagnosis
-    if hasattr(error, "add_note") and diagnosis.summary not in getattr(error, "__notes__", []):
-        error.add_note(f"doctor: {diagnosis.verdict} ({diagnosis.kind}): {diagnosis.summary}")
+    note = f"doctor: {diagnosis.verdict} ({diagnosis.kind}): {diagnosis.summary}"
+    if hasattr(error, "add_note") and note not in getattr(error, "__notes__", []):
+        error.add_note(note)
 
 
 def _culprit_error(run: Run, diagnosis: Diagnosis, error: LaunchError) -> LaunchError:
