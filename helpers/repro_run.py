@@ -60,12 +60,14 @@ def run_process(argv: list[str], timeout_s: float, env: dict[str, str] | None = 
     with tempfile.TemporaryFile() as sink:
         proc = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=sink, stderr=subprocess.STDOUT,
                                 env=env, cwd=cwd, preexec_fn=_death_signal_setter())
+        code: int | None = None
         try:
-            code: int | None = proc.wait(timeout=timeout_s)
+            code = proc.wait(timeout=timeout_s)
         except subprocess.TimeoutExpired:
-            code = None
+            pass
         finally:
-            stop_tree(proc)
+            if code is None:  # still running (deadline, Ctrl-C): never after a wait reaped it
+                stop_tree(proc)
         sink.seek(0)
         output = sink.read().decode("utf-8", errors="replace")
     return code, output, round(time.monotonic() - started, 3)

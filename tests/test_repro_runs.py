@@ -146,3 +146,14 @@ def test_fixed_scripts_complete_under_torchrun_and_the_doctor_and_accelerate_lau
     assert accelerate_run.outcome == "finished", accelerate_run.output_tail
     assert accelerate_run.ranks_started == 2, accelerate_run.output_tail
     leftovers.check()
+
+
+def test_a_run_past_its_deadline_is_stopped_with_everything_it_started(tmp_path, leftovers):
+    """A hanging script under plain torchrun (torch's 30-minute gloo timeout) stopped at our deadline:
+    the launcher, its ranks and its temporary files are gone."""
+    script = repro.build_script("one-branch-barrier", "broken", tmp_path, 2)
+    result = repro_run.run_standalone(script.path, [], 2, "torchrun", timeout_s=12)
+    assert result.exit_code is None and result.outcome == "hang", result.output_tail
+    assert result.how == "still running at the deadline (stopped)"
+    assert result.seconds < 12 + 2 * repro_run.KILL_GRACE_S + 5
+    leftovers.check()
