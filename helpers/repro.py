@@ -441,6 +441,7 @@ class ReproRun(report.ResultMixin):
     trace_dir: str
     seconds: float
     output_tail: str = ""
+    fix: str = ""
 
     @property
     def as_expected(self) -> bool:
@@ -472,7 +473,9 @@ class ReproRun(report.ResultMixin):
 
     def _repr_html_(self) -> str:
         colour = "#2e7d32" if self.as_expected else "#c62828"
-        return (f"<div><p style='color:{colour}'><b>{html.escape(self.verdict())}</b></p>"
+        fixed = self.variant == "fixed" and self.fix
+        fix = f"<p><b>The fix in this variant:</b> {html.escape(self.fix)}</p>" if fixed else ""
+        return (f"<div><p style='color:{colour}'><b>{html.escape(self.verdict())}</b></p>{fix}"
                 f"{self.diagnosis._repr_html_()}</div>")
 
 
@@ -493,13 +496,8 @@ def run_script(script: ReproScript, stall_s: float = 5.0, timeout_s: float = RUN
                                                             timeout_s, keep, env)
     cleaned = repro_run.clean_output(output)
     report.atomic_write_text(path.with_suffix(".log"), cleaned)
-    run = ReproRun(str(path), script.name, script.variant, script.num_processes, stall_s, diagnosis,
-                   script.expected, str(keep), seconds, cleaned[-repro_run.LOG_TAIL:])
-    _LAST_RUNS[str(path)] = run
-    return run
-
-
-_LAST_RUNS: dict[str, ReproRun] = {}  # script path -> its latest run (the panel's Export uses it)
+    return ReproRun(str(path), script.name, script.variant, script.num_processes, stall_s, diagnosis,
+                    script.expected, str(keep), seconds, cleaned[-repro_run.LOG_TAIL:], script.fix)
 
 
 def run_fix(script: ReproScript, stall_s: float = 5.0, timeout_s: float = RUN_TIMEOUT_S) -> ReproRun | Note:
@@ -684,8 +682,8 @@ class Outcome(report.ResultMixin):
     def verdict(self) -> str:
         """One line for the last cell."""
         if self.ok:
-            fixed = " and the fixed variant passed" if self.fixed else ""
-            return f"Reproduced: {self.broken.verdict()}{fixed}. Report: {self.report_md}"
+            fixed = "; the fixed variant passed" if self.fixed else ""
+            return f"Reproduced: {self.broken.verdict().rstrip('.')}{fixed}. Report: {self.report_md}"
         return "Not reproduced: " + "; ".join(self.problems)
 
 

@@ -273,3 +273,14 @@ def test_cli_bad_usage_exits_2_naming_the_problem(tmp_path, capsys, argv, words)
     err = capsys.readouterr().err
     for word in words:
         assert word in err, (word, err)
+
+
+def test_panel_builds_the_chosen_scenario_and_says_which_knobs_it_ignored(tmp_path):
+    script = repro.explore("hangs-at-save", "auto", "build", 2, 5.0, diverge_rank=0, step=3,
+                           out_dir=str(tmp_path))
+    assert script.name == "main-only-collective" and script.variant == "broken"
+    assert script.notes == ["main-only-collective has no diverge_rank or step: ignored"]
+    fixed = repro.explore("one-rank-crashes", "early-stop", "build", 3, 5.0, diverge_rank=2, step=1,
+                          out_dir=str(tmp_path))
+    assert fixed.parameters["DIVERGE_RANK"] == 2 and fixed.parameters["STEP"] == 1 and not fixed.notes
+    assert "Note: " not in fixed._repr_html_() and "Note: main-only" in script._repr_html_()
