@@ -336,9 +336,9 @@ def _scenario_header(entry: Any, variant: str, values: dict[str, Any], num_proce
              "Without GPUs, `accelerate launch` without --multi_gpu starts ONE process.",
              "Add --pg-timeout-s 60 to make a hang end after 60 s instead of torch's default "
              "(30 min on gloo, 10 on NCCL)."]
-    from helpers.repro_replay import _comment
+    from helpers.repro_replay import comment
 
-    return "\n".join(_comment(line) for line in lines if line is not None) + "\n"
+    return "\n".join(comment(line) for line in lines if line is not None) + "\n"
 
 
 _VERDICT_WORDS = {"hang": "hangs until torch's process-group timeout", "crash": "crashes",
@@ -414,6 +414,8 @@ class FigureImage:
         self.figure = figure
 
     def __getattr__(self, name: str) -> Any:
+        if name == "figure":  # not set yet (copy, pickle): no recursion
+            raise AttributeError(name)
         return getattr(self.figure, name)
 
     def __repr__(self) -> str:

@@ -272,16 +272,18 @@ def _fill_from_peers(recording: Recording, ops: dict[int, dict[int, Any]],
     """Collectives a rank issued but did not record (C++ ones, without its Flight Recorder dump).
 
     Sequence numbers are contiguous, so the gaps below the highest one a rank is known to have issued
-    are certain and are taken from a rank that recorded them. A rank with no record at all that died
-    gets what every recorded rank completed (the last one excepted when a peer then failed).
-    Returns a note per rank that got some.
+    from Python, or to have completed, are certain and are taken from a rank that recorded them (a
+    collective it issued but did not complete stays unknown: it may be the one that diverged). A
+    rank with no record at all that died gets what every recorded rank completed (the last one
+    excepted when a peer then failed). Returns a note per rank that got some.
     """
     recorded = [r for r, view in recording.views.items() if _has_flight_recorder(view)]
     rank_notes: dict[int, str] = {}
     for rank, view in recording.views.items():
         if _has_flight_recorder(view) or not recorded:
             continue
-        upto = max([*ops[rank], view.last_seq()], default=0)
+        completed = [done for _enqueued, done in (view.progress or {}).values()]
+        upto = max([*ops[rank], *completed], default=0)
         guessed = upto == 0 and recording.state_of(rank) == "exited"
         if guessed:
             upto = _completed_by_all(recording, ops, recorded)
@@ -416,10 +418,11 @@ def _header(plan: ReplayPlan, script_name: str) -> str:
     ]
     lines += [f"Note: {note}." for note in plan.notes]
     docstring = '"""Replay of a recorded run: each rank issues its recorded collectives, then stops there."""'
-    return "\n".join(_comment(line) for line in lines) + "\n" + docstring + "\n"
+    return "\n".join(comment(line) for line in lines) + "\n" + docstring + "\n"
 
 
-def _comment(line: str, indent: str = "") -> str:
+def comment(line: str, indent: str = "") -> str:
+    """``line`` as a Python comment wrapped at 96 columns (continuation lines indented)."""
     import textwrap
 
     if not line:
@@ -453,7 +456,7 @@ def _constants(plan: ReplayPlan) -> str:
               "# where the original issued it.", "PLAN = {"]
     for rank in plan.ranks:
         if rank.note:
-            lines += [_comment(rank.note, indent="    ")]
+            lines += [comment(rank.note, indent="    ")]
         lines.append(f"    {rank.rank}: [")
         lines += _step_lines(rank.steps)
         lines.append("    ],")
@@ -461,8 +464,8 @@ def _constants(plan: ReplayPlan) -> str:
     lines += ["# Where each rank was when the doctor looked: wait (in its last operation), busy (outside",
               "# any), finish (ended normally), signal N (killed), exit N, raise MESSAGE.", "ENDS = {"]
     for rank in plan.ranks:
-        comment = f"  # {signal.Signals(rank.value).name}" if rank.end == "signal" else ""
-        lines.append(_fit(f"    {rank.rank}: ({json.dumps(rank.end)}, {_python(rank.value)}),{comment}"))
+        name = f"  # {signal.Signals(rank.value).name}" if rank.end == "signal" else ""
+        lines.append(_fit(f"    {rank.rank}: ({json.dumps(rank.end)}, {_python(rank.value)}),{name}"))
     lines.append("}")
     if plan.own_path:
         own = ", ".join(f"{rank}: {index}" for rank, index in sorted(plan.own_path.items()))
@@ -488,8 +491,8 @@ def _step_lines(steps: list[Step]) -> list[str]:
         literal = f"({json.dumps(step.op)}, {json.dumps(step.shapes)}, {json.dumps(step.dtype)}"
         literal += f", {step.peer})" if step.peer is not None else ")"
         text = f"*[{literal}] * {run}," if run > 1 else f"{literal},"
-        comment = "; ".join(filter(None, [step.origin, step.note]))
-        lines.append(f"        {text}" + (f"  # {comment}" if comment else ""))
+        said = "; ".join(filter(None, [step.origin, step.note]))
+        lines.append(f"        {text}" + (f"  # {said}" if said else ""))
         index += run
     return [_fit(line) for line in lines]
 
@@ -498,9 +501,9 @@ def _fit(line: str, limit: int = 110) -> str:
     """Keep a PLAN line within the line length: shorten its comment, never its data."""
     if len(line) <= limit or "  # " not in line:
         return line
-    code, comment = line.split("  # ", 1)
+    code, said = line.split("  # ", 1)
     room = limit - len(code) - 4
-    return f"{code}  # {comment[:max(room - 3, 0)]}..." if room > 10 else code
+    return f"{code}  # {said[:max(room - 3, 0)]}..." if room > 10 else code
 
 
 def _issue_function(ops: list[str]) -> str:
