@@ -17,7 +17,6 @@ process starts.
 
 from __future__ import annotations
 
-import copy
 import dataclasses
 import html
 import time
@@ -174,32 +173,10 @@ class EarlyStopRun(report.ResultMixin):
 
     def plot(self):
         """The doctor's swimlane of this run (matplotlib Figure): each rank's collectives over time."""
-        import matplotlib.pyplot as plt
-
         from helpers.swimlane import swimlane
 
-        # the swimlane is a bare Figure; in a kernel only a loaded backend (matplotlib-inline) makes
-        # IPython show Figures as images, and pyplot loads it with its first figure
-        plt.close(plt.figure())
         title = f"{self.variant} loop: {self.diagnosis.verdict} ({self.diagnosis.kind})"
-        return swimlane(_timeline_view(self.diagnosis), title)
-
-
-def _timeline_view(diagnosis: Any) -> Any:
-    """A copy of the diagnosis whose swimlane spans the loop and the whole wait.
-
-    The doctor's evidence starts the time axis when the watcher was created (fork, imports and
-    set-up take most of the picture) and ends it when progress stopped; here it starts at the first
-    traced call (as the axis label says) and ends when the doctor stopped the run.
-    """
-    view = copy.copy(diagnosis)
-    evidence = dict(getattr(diagnosis, "evidence", None) or {})
-    evidence.pop("started", None)
-    stall = evidence.get("stall_start")
-    if stall and diagnosis.detected_after_s is not None and not evidence.get("detected_at"):
-        evidence["detected_at"] = stall + diagnosis.detected_after_s
-    view.evidence = evidence
-    return view
+        return swimlane(self.diagnosis, title)
 
 
 # ---------------------------------------------------------------------------------------------

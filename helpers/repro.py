@@ -402,33 +402,6 @@ class Note(report.ResultMixin):
         return f"<p><i>{html.escape(self.message)}</i></p>"
 
 
-class FigureImage:
-    """A matplotlib Figure that a notebook displays as a PNG image.
-
-    A Figure made without pyplot shows only as text ("<Figure size ...>") until the kernel's inline
-    backend has registered itself, which pyplot does on its first figure; ``_repr_png_`` does not
-    depend on that. Attributes are the figure's (``savefig``, ``axes``...).
-    """
-
-    def __init__(self, figure: Any):
-        self.figure = figure
-
-    def __getattr__(self, name: str) -> Any:
-        if name == "figure":  # not set yet (copy, pickle): no recursion
-            raise AttributeError(name)
-        return getattr(self.figure, name)
-
-    def __repr__(self) -> str:
-        return repr(self.figure)
-
-    def _repr_png_(self) -> bytes:
-        import io
-
-        buffer = io.BytesIO()
-        self.figure.savefig(buffer, format="png", dpi=100)
-        return buffer.getvalue()
-
-
 @dataclass
 class ReproRun(report.ResultMixin):
     """A generated script run under the hang doctor: its diagnosis, and whether it is the expected one."""
@@ -465,9 +438,9 @@ class ReproRun(report.ResultMixin):
     def __repr__(self) -> str:
         return f"ReproRun({self.verdict()!r})"
 
-    def swimlane(self) -> FigureImage:
-        """The doctor's swimlane plot of this run (a matplotlib Figure that displays as an image)."""
-        return FigureImage(self.diagnosis.swimlane())
+    def swimlane(self):
+        """The doctor's swimlane plot of this run (a matplotlib Figure)."""
+        return self.diagnosis.swimlane()
 
     def plot(self):
         """The swimlane (the widget panel shows a result's plot)."""

@@ -1,9 +1,10 @@
 """The doctor's swimlane plot: one lane per rank, collectives as boxes over time, divergence marked.
 
-``swimlane(diagnosis)`` returns a matplotlib ``Figure`` (no pyplot state; notebooks display it as
-an image). Boxes are the Python-level calls the tracer saw (start to end; still open at the
-diagnosis: drawn to the right edge, hatched); collectives issued from C++ (DDP) appear as ticks at
-the time the Flight Recorder created them. Culprit lanes are red, the stall's start is a dashed line.
+``swimlane(diagnosis)`` returns a matplotlib ``Figure`` made with pyplot and closed at once, so a
+kernel displays it as an image (pyplot loads the inline backend) and no pyplot state is left.
+Boxes are the Python-level calls the tracer saw (start to end; still open at the diagnosis: drawn
+to the right edge, hatched); collectives issued from C++ (DDP) appear as ticks at the time the
+Flight Recorder created them. Culprit lanes are red, the stall's start is a dashed line.
 """
 
 from __future__ import annotations
@@ -16,14 +17,15 @@ MAX_BOXES = 40  # the latest calls per rank that get a box
 
 def swimlane(diagnosis: Any, title: str | None = None):
     """A Figure of the ranks' collectives over time, for a ``helpers.doctor.Diagnosis``."""
-    from matplotlib.figure import Figure
+    import matplotlib.pyplot as plt
 
     evidence = getattr(diagnosis, "evidence", {}) or {}
     views = evidence.get("views") or {}
     histories = evidence.get("histories") or {}
     ranks = [entry.rank for entry in diagnosis.per_rank]
     origin, end = _time_range(evidence, views, histories)
-    figure = Figure(figsize=(10, 1.0 + 0.7 * max(1, len(ranks))), layout="constrained")
+    figure = plt.figure(figsize=(10, 1.0 + 0.7 * max(1, len(ranks))), layout="constrained")
+    plt.close(figure)
     ax = figure.add_subplot()
     for lane, rank in enumerate(ranks):
         culprit = rank in diagnosis.ranks
@@ -46,12 +48,15 @@ def swimlane(diagnosis: Any, title: str | None = None):
 
 
 def _time_range(evidence: dict, views: dict, histories: dict) -> tuple[float, float]:
+    """From the first traced call (start-up is not the story) to when the doctor stopped the run.
+
+    The wait itself must show: the axis ends at the diagnosis, not where progress stopped.
+    """
     starts = [op.start for v in views.values() for op in v.python_ops() if op.start]
     starts += [op.start for h in histories.values() for op in h.values() if op.start]
     ends = [op.end for v in views.values() for op in v.python_ops() if op.end]
     ends += [v.exit["t"] for v in views.values() if getattr(v, "exit", None)]
-    origin = evidence.get("started") or min(starts, default=time.time())
-    origin = min([origin, *starts])
+    origin = min(starts, default=evidence.get("started") or time.time())
     end = evidence.get("detected_at") or max(ends + starts, default=origin + 1)
     return origin, max(end, max(ends + starts, default=end))
 
