@@ -229,27 +229,34 @@ def run_standalone(script: str | Path, args: list[str] | None = None, num_proces
         code, output, seconds = run_process(argv, timeout_s, run_env, cwd=script.parent)
     finally:
         shutil.rmtree(scratch, ignore_errors=True)
-    outcome, how = classify(code, output)
-    command = " ".join([*(f"{k}={v}" for k, v in (env or {}).items()), *shown, script.name, *(args or [])])
     started = len(set(re.findall(r"'rank': (\d+)", output))) or None
+    outcome, how = classify(code, output, all_ranks_done=started == num_processes)
+    command = " ".join([*(f"{k}={v}" for k, v in (env or {}).items()), *shown, script.name, *(args or [])])
     return Standalone(launcher, command, code, outcome, how, headline(output), seconds,
                       clean_output(output)[-LOG_TAIL:], started)
 
 
+_TEARDOWN_ABORT = "terminate called without an active exception"
 _HANG = re.compile(r"Timed out waiting \d+ms|collective operation timeout|failed to pass monitoredBarrier")
 _ROOT_CAUSE = re.compile(r"Root Cause.*?^\s*rank\s*:\s*(\d+).*?^\s*exitcode\s*:\s*(-?\d+)", re.S | re.M)
 
 
-def classify(exit_code: int | None, output: str) -> tuple[str, str]:
+def classify(exit_code: int | None, output: str, all_ranks_done: bool = False) -> tuple[str, str]:
     """finished | hang | crash, and how, from a launcher's exit code and output.
 
     torchrun names the first rank that failed ("Root Cause (first observed failure)"); the others
-    were stopped by it (SIGTERM) and say nothing about the cause.
+    were stopped by it (SIGTERM) and say nothing about the cause. ``all_ranks_done``: every rank
+    printed its result, so an abort at interpreter exit came after the work (torch 2.13's gloo
+    teardown: "terminate called without an active exception", seen in about 1 run in 10 after
+    gather_for_metrics) and the run is reported as finished, with that said.
     """
     if exit_code is None:
         return "hang", "still running at the deadline (stopped)"
     if exit_code == 0:
         return "finished", "every rank ended normally"
+    if all_ranks_done and _TEARDOWN_ABORT in output:
+        return "finished", ("every rank finished its work; torch then aborted at interpreter exit "
+                            f"({_TEARDOWN_ABORT!r}, a gloo teardown crash)")
     if _HANG.search(output):
         return "hang", "ended by torch's process-group timeout"
     root = _ROOT_CAUSE.search(output)

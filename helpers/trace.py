@@ -37,7 +37,7 @@ import time
 import traceback
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
 POLL_S = 0.2  # how often the helper thread notes the process groups' progress
 AUTO_STATE_S = 1.0  # stuck this long in one collective: write the state once, unasked
@@ -565,11 +565,12 @@ def finish(status: str, error: BaseException | None = None) -> None:
     _tracer = None
 
 
-def run_script(argv: list[str]) -> int:
+def run_script(argv: list[str]) -> NoReturn:
     """Run ``script.py args`` (or ``-m module args``) as ``__main__`` inside a traced rank.
 
     Reads the run folder and rank from the environment ``launch_command`` sets, installs stack
-    dumps and the tracer, runs the script, records how it ended and returns its exit code.
+    dumps and the tracer, runs the script, records how it ended and ends the process with the
+    script's exit code (an exception propagates as usual, after it was recorded).
     """
     import runpy
 
@@ -609,7 +610,12 @@ def run_script(argv: list[str]) -> int:
     if code == 0:
         launch._write_outcome(run_dir / f"result-{rank}.pkl", ("ok", 0))
     stack_handle.flush()
-    return code
+    # Recorded: end now, before interpreter teardown, where torch 2.13's gloo aborts in about 1 run
+    # in 10 after gather_for_metrics ("terminate called without an active exception") and would
+    # turn a finished rank into a crash.
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
 
 
 def _exit_code(code: Any) -> int:
@@ -624,4 +630,4 @@ def _exit_code(code: Any) -> int:
 if __name__ == "__main__":
     from helpers.trace import run_script as _run_script  # the module, not this __main__ copy
 
-    sys.exit(_run_script(sys.argv[1:]))
+    _run_script(sys.argv[1:])

@@ -284,3 +284,13 @@ def test_panel_builds_the_chosen_scenario_and_says_which_knobs_it_ignored(tmp_pa
                           out_dir=str(tmp_path))
     assert fixed.parameters["DIVERGE_RANK"] == 2 and fixed.parameters["STEP"] == 1 and not fixed.notes
     assert "Note: " not in fixed._repr_html_() and "Note: main-only" in script._repr_html_()
+
+
+def test_abort_at_interpreter_exit_after_every_rank_finished_is_reported_as_finished():
+    from helpers.repro_run import classify
+
+    output = "{'rank': 0}\n{'rank': 1}\nterminate called without an active exception\n"
+    outcome, how = classify(-6, output, all_ranks_done=True)
+    assert outcome == "finished" and "aborted at interpreter exit" in how
+    assert classify(-6, output, all_ranks_done=False)[0] == "crash"
+    assert classify(-6, "{'rank': 0}\n{'rank': 1}\n", all_ranks_done=True)[0] == "crash"
