@@ -679,7 +679,10 @@ def _exited_culprits(positions: dict[int, Position]) -> list[int]:
             culprits.append(pos.rank)
         elif pos.state == "finished" and stuck and demand > (pos.seq or 0):
             culprits.append(pos.rank)
-    return sorted(culprits)
+    # A rank killed while waiting in a collective after a peer died outside any (gloo can SIGSEGV
+    # or SIGABRT when the peer's sockets close) is that death's echo, not a second cause.
+    outside = [r for r in culprits if positions[r].state != "exited" or positions[r].op is None]
+    return sorted(outside or culprits)
 
 
 def _missing_ranks(positions: dict[int, Position]) -> list[int]:

@@ -257,3 +257,17 @@ def test_diagnosis_json_has_exactly_the_documented_fields():
     data = json.loads(found.to_json())
     assert list(data) == ["verdict", "kind", "ranks", "summary", "fix", "detected_after_s", "per_rank"]
     assert list(data["per_rank"][0]) == ["rank", "state", "op", "seq", "shapes", "location", "exit_code"]
+
+
+def test_a_rank_dying_inside_a_collective_after_a_peer_died_is_not_a_second_culprit():
+    from helpers.diagnosis import Op, Position, _exited_culprits
+
+    waiting = Op("all_reduce", seq=4)
+    positions = {
+        0: Position(0, "in-collective", op=waiting, seq=4),
+        1: Position(1, "exited", exit_code=-9, abnormal=True),  # killed in its own code
+        2: Position(2, "exited", op=waiting, seq=4, exit_code=-11, abnormal=True),  # gloo's echo
+    }
+    assert _exited_culprits(positions) == [1]
+    positions[1] = Position(1, "exited", op=waiting, seq=4, exit_code=-9, abnormal=True)
+    assert _exited_culprits(positions) == [1, 2], "with no death outside a collective, name both"
