@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from helpers import params, redact, report
+from helpers import cli, params, redact, report
 from helpers.audit_diff import DiffResult, Machine, diff_machines, diff_reports, load_machine
 from helpers.audit_facts import Facts, collect_facts, utc_now
 from helpers.audit_rules import CODES, SEVERITIES, Finding, evaluate, rule_cuda_initialized
@@ -339,11 +339,13 @@ def _usage_error(message: str) -> int:
 def _audit_parser(prog: str) -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog=prog, description="Facts, findings and a report about "
                                      "this machine. Secrets are always redacted.")
-    parser.add_argument("--facts", metavar="PATH", help="judge a facts file (or audit report) "
+    parser.add_argument("--facts", metavar="PATH", type=cli.path_arg,
+                        help="judge a facts file (or audit report) "
                         "instead of collecting facts here")
-    parser.add_argument("--json", metavar="PATH", help="write the JSON report here")
-    parser.add_argument("--html", metavar="PATH", help="write the self-contained HTML report here")
-    parser.add_argument(params.cli_flag("report_dir"), dest="report_dir", metavar="DIR",
+    parser.add_argument("--json", metavar="PATH", type=cli.path_arg, help="write the JSON report here")
+    parser.add_argument("--html", metavar="PATH", type=cli.path_arg,
+                        help="write the self-contained HTML report here")
+    parser.add_argument(params.cli_flag("report_dir"), dest="report_dir", metavar="DIR", type=cli.path_arg,
                         help="write audit.json and audit.html into this folder")
     parser.add_argument("--strict", action="store_true", help=params.SPECS["strict"].help)
     parser.add_argument("--anonymize", action="store_true", help=params.SPECS["anonymize"].help)
@@ -376,7 +378,8 @@ def cli_facts(argv: list[str]) -> int:
     """``python -m helpers facts [--json PATH] [--anonymize]``: the raw facts as JSON."""
     parser = argparse.ArgumentParser(prog="python -m helpers facts",
                                      description="The raw facts about this machine (redacted).")
-    parser.add_argument("--json", metavar="PATH", help="write them here instead of printing")
+    parser.add_argument("--json", metavar="PATH", type=cli.path_arg,
+                        help="write them here instead of printing")
     parser.add_argument("--anonymize", action="store_true", help=params.SPECS["anonymize"].help)
     args = _parse(parser, argv)
     if isinstance(args, int):
@@ -398,9 +401,11 @@ def cli_diff(argv: list[str]) -> int:
     """
     parser = argparse.ArgumentParser(prog="python -m helpers diff", description="Differences "
                                      "between audit reports or facts files of several machines.")
-    parser.add_argument("paths", nargs="+", metavar="REPORT", help="audit reports or facts files")
-    parser.add_argument("--json", metavar="PATH", help="write the differences as JSON here")
-    parser.add_argument("--html", metavar="PATH", help="write them as an HTML table here")
+    parser.add_argument("paths", nargs="+", metavar="REPORT", type=cli.path_arg,
+                        help="audit reports or facts files")
+    parser.add_argument("--json", metavar="PATH", type=cli.path_arg,
+                        help="write the differences as JSON here")
+    parser.add_argument("--html", metavar="PATH", type=cli.path_arg, help="write them as an HTML table here")
     args = _parse(parser, argv)
     if isinstance(args, int):
         return args
@@ -431,8 +436,9 @@ def main(argv: list[str] | None = None) -> int:
                                      "under torchrun / accelerate launch on every node: rank 0 "
                                      "writes one fleet report.")
     parser.add_argument("--fleet", action="store_true", required=True)
-    parser.add_argument("--json", metavar="PATH", required=True, help="fleet report JSON (rank 0)")
-    parser.add_argument("--html", metavar="PATH", help="fleet report HTML (rank 0)")
+    parser.add_argument("--json", metavar="PATH", type=cli.path_arg,
+                        required=True, help="fleet report JSON (rank 0)")
+    parser.add_argument("--html", metavar="PATH", type=cli.path_arg, help="fleet report HTML (rank 0)")
     parser.add_argument("--anonymize", action="store_true", help=params.SPECS["anonymize"].help)
     parser.add_argument("--strict", action="store_true",
                         help="exit 1 when nodes differ or have error-level findings")

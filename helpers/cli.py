@@ -40,9 +40,21 @@ def _parse_value(name: str, text: str) -> Any:
     elif spec.kind == "bool":
         value = {"true": True, "false": False}.get(text.lower(), text)
     try:
-        return params.check(name, value)
+        value = params.check(name, value)
     except ValueError as exc:
         raise argparse.ArgumentTypeError(str(exc)) from None
+    return path_arg(value) if spec.kind == "path" else value
+
+
+def path_arg(text: str) -> str:
+    """argparse ``type=`` for paths: relative to the current folder, as on any command line.
+
+    (Notebook parameters resolve against the repository root instead; an absolute path is the
+    same for both.) An empty value stays empty ("not given").
+    """
+    from pathlib import Path
+
+    return str(Path(text).expanduser().absolute()) if text else text
 
 
 def add_param(parser: argparse.ArgumentParser, name: str, default: Any, **kwargs: Any) -> None:

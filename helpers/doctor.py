@@ -26,7 +26,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from helpers import launch, params, report
+from helpers import cli, launch, params, report
 from helpers.diagnosis import (
     EXIT_CODES,
     KINDS,
@@ -356,8 +356,10 @@ def cli_main(argv: list[str]) -> int:
     add_param(parser, "num_processes", 2)
     add_param(parser, "stall_s", DEFAULT_STALL_S)
     add_param(parser, "timeout_s", 3600.0)
-    parser.add_argument("--json", default="", help="write the diagnosis as JSON to this path")
-    parser.add_argument("--keep", default="", help="keep traces, stacks and the diagnosis in this folder")
+    parser.add_argument("--json", default="", type=cli.path_arg,
+                        help="write the diagnosis as JSON to this path")
+    parser.add_argument("--keep", default="", type=cli.path_arg,
+                        help="keep traces, stacks and the diagnosis in this folder")
     try:
         args = parser.parse_args(options)
     except SystemExit as exc:

@@ -35,7 +35,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from helpers import params, report
+from helpers import cli, params, report
 
 DEFAULT_OUT_DIR = "reports/repro"
 RUN_TIMEOUT_S = 180.0
@@ -764,7 +764,8 @@ def _parser() -> argparse.ArgumentParser:
                         help="a scenario parameter, e.g. --param diverge_rank=0 (repeatable)")
     parser.add_argument("--run", action="store_true",
                         help="run it under the doctor; write diagnosis.json and report.md next to it")
-    parser.add_argument("--json", default="", help="write the result (script, or run with --run) as JSON")
+    parser.add_argument("--json", default="", type=cli.path_arg,
+                        help="write the result (script, or run with --run) as JSON")
     return parser
 
 

@@ -196,7 +196,8 @@ def run_suite(out_dir: str | Path | None = None, only: str | None = None,
 def cli_main(argv: list[str]) -> int:
     """``python -m helpers report [--out DIR] [--only NAME] [-p name value ...]``."""
     parser = argparse.ArgumentParser(prog="python -m helpers report", description=__doc__.splitlines()[0])
-    parser.add_argument("--out", metavar="DIR", help="report folder (default reports/<timestamp>)")
+    parser.add_argument("--out", metavar="DIR", type=cli.path_arg,
+                        help="report folder (default reports/<timestamp>)")
     parser.add_argument("--only", metavar="NAME", help="run only notebooks whose name contains NAME")
     parser.add_argument("-p", nargs=2, action="append", default=[], metavar=("NAME", "VALUE"),
                         help="set a parameter in the notebooks that declare it")

@@ -60,3 +60,14 @@ def test_cli_bad_flag_exits_2_naming_the_argument(capsys):
 def test_cli_unknown_command_exits_2(capsys):
     assert cli(["frobnicate"]) == 2
     assert "unknown command 'frobnicate'" in capsys.readouterr().err
+
+
+def test_cli_paths_are_relative_to_the_current_folder(tmp_path):
+    import subprocess
+    import sys
+
+    proc = subprocess.run([sys.executable, "-m", "helpers", "facts", "--json", "here.json"],
+                          cwd=tmp_path, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    assert (tmp_path / "here.json").exists()
+    assert not (params.REPO_ROOT / "here.json").exists()
