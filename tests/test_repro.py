@@ -112,7 +112,7 @@ def test_scripts_start_with_what_they_show_and_how_to_launch_them(every_script):
 def test_parameters_are_baked_in_and_the_expectation_follows_them(every_script):
     early = next(s for s in every_script if s.name == "early-stop" and s.variant == "broken")
     assert "\nDIVERGE_RANK = 2  # " in early.text and early.parameters["DIVERGE_RANK"] == 2
-    assert early.expected == {"kind": "collective-mismatch", "verdicts": ["hang"], "ranks": [2]}
+    assert early.expected == {"kind": "collective-mismatch", "verdicts": ["hang", "crash"], "ranks": [2]}
     fixed = next(s for s in every_script if s.name == "early-stop" and s.variant == "fixed")
     assert fixed.expected["kind"] == "ok"
     custom = repro.build_script("early-stop", "broken", Path(early.path).parent / "custom", 2,
