@@ -119,3 +119,11 @@ def _session_temp_folder():
     os.environ.setdefault("PYDEVD_DISABLE_FILE_VALIDATION", "1")
     yield
     shutil.rmtree(SESSION_TMP, ignore_errors=True)
+
+
+def marker_line(path: str | Path, marker: str) -> int:
+    """The number of the line in ``path`` that ends with ``# line: <marker>``."""
+    for number, text in enumerate(Path(path).read_text().splitlines(), start=1):
+        if text.rstrip().endswith(f"# line: {marker}"):
+            return number
+    raise AssertionError(f"no line marked {marker!r} in {path}")

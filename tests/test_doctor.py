@@ -16,6 +16,7 @@ from pathlib import Path
 
 import psutil
 import pytest
+from conftest import marker_line
 
 from helpers import diagnosis as diagnosis_module
 from helpers import doctor, scenarios
@@ -25,10 +26,7 @@ HERE = Path(__file__).name
 
 
 def _line(marker: str) -> int:
-    for number, text in enumerate(Path(__file__).read_text().splitlines(), start=1):
-        if text.rstrip().endswith(f"# line: {marker}"):
-            return number
-    raise AssertionError(marker)
+    return marker_line(__file__, marker)
 
 
 def _skip_barrier_on_rank_one():

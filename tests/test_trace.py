@@ -9,6 +9,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from conftest import marker_line
 
 from helpers import doctor, scenarios, trace
 from helpers.launch import RankExited, Run, launch, launch_command
@@ -17,10 +18,7 @@ HERE = Path(__file__).name
 
 
 def _line(marker: str) -> int:
-    for number, text in enumerate(Path(__file__).read_text().splitlines(), start=1):
-        if text.rstrip().endswith(f"# line: {marker}"):
-            return number
-    raise AssertionError(marker)
+    return marker_line(__file__, marker)
 
 
 def _many_ops():
