@@ -871,7 +871,7 @@ def diagnose_dir(folder: str | Path, num_processes: int | None = None,
             view.state = json.loads(trace.state_path(folder, rank).read_text())
         except (FileNotFoundError, ValueError):
             pass
-        view.stack_text = _read_text(folder / f"stack-{rank}.txt")
+        view.stack_text = _read_text(trace.stack_path(folder, rank))
         status = (view.exit or {}).get("status")
         view.ended = True
         view.exit_code = (exit_codes or {}).get(rank, {"finished": 0, "raised": 1}.get(status))

@@ -152,7 +152,7 @@ class Doctor:
         self._refresh(run)
         self.requests += 1
         tag = str(self.requests)
-        asked = [rank for rank in run.live_ranks() if _ask(trace.control_path(run.run_dir, rank), tag)]
+        asked = [rank for rank in run.live_ranks() if trace.ask(run.run_dir, rank, tag)]
         end = time.monotonic() + EVIDENCE_WAIT_S
         stacks = run.request_stacks()
         for rank, text in stacks.items():
@@ -216,21 +216,6 @@ class Doctor:
 
 def _since(moment: float) -> float:
     return round(max(0.0, time.time() - moment), 3)
-
-
-def _ask(fifo: Path, tag: str) -> bool:
-    """Write a request line to a rank's FIFO; False when the rank is not listening."""
-    try:
-        fd = os.open(fifo, os.O_WRONLY | os.O_NONBLOCK)
-    except OSError:
-        return False
-    try:
-        os.write(fd, f"{tag}\n".encode())
-        return True
-    except OSError:
-        return False
-    finally:
-        os.close(fd)
 
 
 def _attach(error: LaunchError, diagnosis: Diagnosis) -> None:

@@ -39,11 +39,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
 
-from helpers import params
+from helpers import params, trace
 
 STACK_SIGNAL = signal.SIGUSR1
 KILL_GRACE_S = 2.0
 STACK_WAIT_S = 2.0
+HELPER_STACK_WAIT_S = 2.0  # a traced rank's helper thread answers in milliseconds unless starved
 PG_TIMEOUT_MARGIN_S = 30.0
 _PR_SET_PDEATHSIG = 1
 
@@ -199,16 +200,25 @@ class Run:
         return [rank for rank, proc in self.processes.items() if proc.exitcode is None]
 
     def stack_file(self, rank: int) -> Path:
-        """Where rank ``rank`` dumps its Python stacks on ``STACK_SIGNAL``."""
-        return self.run_dir / f"stack-{rank}.txt"
+        """Where rank ``rank`` appends its Python stacks."""
+        return trace.stack_path(self.run_dir, rank)
 
     def request_stacks(self) -> dict[int, str]:
-        """Ask every live rank for all its threads' Python stacks; return them by rank."""
+        """Ask every live rank for all its threads' Python stacks; return them by rank.
+
+        A traced rank's helper thread writes them itself, holding the GIL. Other ranks, and those
+        whose helper has not answered within ``HELPER_STACK_WAIT_S`` (code stuck in C holding the
+        GIL), get ``STACK_SIGNAL``: faulthandler run from a signal handler can crash a process
+        while another of its threads runs Python (cpython#116008), so it is the fallback.
+        """
         ranks = self.live_ranks()
         sizes = {rank: _size(self.stack_file(rank)) for rank in ranks}
-        for rank in ranks:
+        asked = [rank for rank in ranks if trace.ask(self.run_dir, rank, trace.STACKS_REQUEST)]
+        _wait_for_growth(self, {rank: sizes[rank] for rank in asked}, HELPER_STACK_WAIT_S)
+        silent = {rank: sizes[rank] for rank in ranks if _size(self.stack_file(rank)) == sizes[rank]}
+        for rank in silent:
             _signal(self.processes[rank].pid, STACK_SIGNAL)
-        _wait_for_growth(self, sizes)
+        _wait_for_growth(self, silent, STACK_WAIT_S)
         return {rank: self.stack_file(rank).read_text(errors="replace")[sizes[rank]:] for rank in ranks}
 
 
@@ -231,9 +241,11 @@ def _size(path: Path) -> int:
         return 0
 
 
-def _wait_for_growth(run: Run, sizes: dict[int, int]) -> None:
-    """Wait until each signalled rank's stack file grew and stopped growing (faulthandler done)."""
-    end = time.monotonic() + STACK_WAIT_S
+def _wait_for_growth(run: Run, sizes: dict[int, int], wait_s: float) -> None:
+    """Wait until each asked rank's stack file grew and stopped growing (faulthandler done)."""
+    if not sizes:
+        return
+    end = time.monotonic() + wait_s
     last = dict(sizes)
     while time.monotonic() < end:
         time.sleep(0.05)
@@ -337,37 +349,34 @@ def _rank_main(spec: _RankSpec, fn: Callable[..., Any], args: tuple, kwargs: dic
     signal.signal(signal.SIGTERM, signal.SIG_DFL)
     _set_parent_death_signal(spec.parent_pid)
     (spec.run_dir / f"pid-{os.getpid()}").touch()
-    stack_handle = _install_stack_dump(spec.run_dir / f"stack-{spec.rank}.txt")
+    stack_handle = _install_stack_dump(trace.stack_path(spec.run_dir, spec.rank))
     os.environ.update(_rank_environment(spec))
     (spec.run_dir / "tmp").mkdir(exist_ok=True)
     tempfile.tempdir = str(spec.run_dir / "tmp")
     _reset_accelerate_state()
     if "torch" in sys.modules:
         sys.modules["torch"].set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
-    trace = _install_tracer(spec)
+    traced = _install_tracer(spec)
     try:
         if spec.init_group:
             _init_group(spec)
         outcome: tuple = ("ok", fn(*args, **kwargs))
-        if trace:
+        if traced:
             trace.finish("finished")
     except BaseException as exc:  # noqa: BLE001 - everything goes back to the caller
         outcome = ("error", type(exc).__name__, str(exc), traceback.format_exc(), time.time())
-        if trace:
+        if traced:
             trace.finish("raised", exc)
     _write_outcome(spec.run_dir / f"result-{spec.rank}.pkl", outcome)
     _destroy_group()
     stack_handle.close()
 
 
-def _install_tracer(spec: _RankSpec):
-    """The hang doctor's tracer, installed before any user code (None when nobody watches)."""
-    if not spec.trace:
-        return None
-    from helpers import trace
-
-    trace.install(spec.run_dir, spec.rank)
-    return trace
+def _install_tracer(spec: _RankSpec) -> bool:
+    """The hang doctor's tracer, installed before any user code (when a watcher wants it)."""
+    if spec.trace:
+        trace.install(spec.run_dir, spec.rank)
+    return spec.trace
 
 
 def _write_outcome(path: Path, outcome: tuple) -> None:

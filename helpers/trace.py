@@ -24,6 +24,7 @@ a notebook cell shows as ``Cell In[n], line m``.
 
 from __future__ import annotations
 
+import faulthandler
 import functools
 import inspect
 import itertools
@@ -40,6 +41,7 @@ from pathlib import Path
 from typing import Any, NoReturn
 
 POLL_S = 0.2  # how often the helper thread notes the process groups' progress
+STACKS_REQUEST = "stacks"  # the request line for every thread's stack (others ask for a state)
 AUTO_STATE_S = 1.0  # stuck this long in one collective: write the state once, unasked
 FR_BUFFER_SIZE = "256"  # Flight Recorder entries kept per rank (unless the user set a size)
 FR_TAIL = 64  # entries written to state-<rank>.json
@@ -100,6 +102,29 @@ def state_path(run_dir: Path, rank: int) -> Path:
 def control_path(run_dir: Path, rank: int) -> Path:
     """The FIFO on which the rank's helper thread takes requests."""
     return Path(run_dir) / f"ctl-{rank}"
+
+
+def stack_path(run_dir: Path, rank: int) -> Path:
+    """Where the rank's Python stacks are appended: on request, and on a fatal signal."""
+    return Path(run_dir) / f"stack-{rank}.txt"
+
+
+def ask(run_dir: Path, rank: int, request: str) -> bool:
+    """Send a request line to the rank's helper thread; False when the rank is not listening.
+
+    ``STACKS_REQUEST`` asks for every thread's stack; any other line for a state dump tagged with it.
+    """
+    try:
+        fd = os.open(control_path(run_dir, rank), os.O_WRONLY | os.O_NONBLOCK)
+    except OSError:
+        return False
+    try:
+        os.write(fd, f"{request}\n".encode())
+        return True
+    except OSError:
+        return False
+    finally:
+        os.close(fd)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -474,14 +499,20 @@ class _Helper(threading.Thread):
             if ready:
                 pending += _read_available(self.fifo)
                 *requests, pending = pending.split(b"\n")
-                if requests:
-                    write_state(self.tracer, requests[-1].decode(errors="replace"))
+                self._answer([request.decode(errors="replace") for request in requests])
             now = (progress, self.tracer.calls)
             if now != motion:
                 motion, still_since, written = now, time.time(), False
             elif not written and time.time() - still_since >= AUTO_STATE_S and self._waiting(progress):
                 write_state(self.tracer, "auto")  # for a post-mortem if nobody asks in time
                 written = True
+
+    def _answer(self, requests: list[str]) -> None:
+        if STACKS_REQUEST in requests:
+            dump_stacks(self.tracer)
+        states = [request for request in requests if request != STACKS_REQUEST]
+        if states:
+            write_state(self.tracer, states[-1])  # only the latest matters
 
     def _waiting(self, progress: dict[str, list[int]]) -> bool:
         return self.tracer.open_sync > 0 or any(enq > done for enq, done in progress.values())
@@ -501,6 +532,17 @@ def _read_available(fd: int) -> bytes:
         return os.read(fd, 4096)
     except BlockingIOError:
         return b""
+
+
+def dump_stacks(tracer: Tracer) -> None:
+    """Append every thread's Python stack to stack-<rank>.txt, from this thread, holding the GIL.
+
+    faulthandler run from a signal handler reads the other threads' frames without the GIL and can
+    crash the process (SIGSEGV) when one of them runs Python meanwhile (cpython#116008), as this
+    helper thread often does; here every other thread is paused outside Python code.
+    """
+    with open(stack_path(tracer.run_dir, tracer.rank), "a") as handle:
+        faulthandler.dump_traceback(file=handle, all_threads=True)
 
 
 def write_state(tracer: Tracer, request: str, extra: dict[str, Any] | None = None) -> None:
@@ -578,11 +620,10 @@ def run_script(argv: list[str]) -> NoReturn:
 
     run_dir = Path(os.environ[ENV_DIR])
     rank = int(os.environ.get(ENV_RANK) or os.environ.get("RANK", "0"))
-    stack_handle = launch._install_stack_dump(run_dir / f"stack-{rank}.txt")
+    stack_handle = launch._install_stack_dump(stack_path(run_dir, rank))
     if os.environ.get(ENV_PARENT):  # under helpers.launch
         launch._set_parent_death_signal(int(os.environ[ENV_PARENT]))
     else:  # under torchrun, which stops ranks with SIGTERM: leave their stacks for a post-mortem
-        import faulthandler
         import signal
 
         faulthandler.register(signal.SIGTERM, file=stack_handle, all_threads=True, chain=True)

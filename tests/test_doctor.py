@@ -127,7 +127,7 @@ def test_deadline_before_stall_still_explains(leftovers):
         launch(_skip_barrier_on_rank_one, num_processes=2, timeout_s=3, stall_s=30)
     assert not isinstance(info.value, doctor.HangDetected)
     found = info.value.diagnosis
-    assert (found.verdict, found.kind, found.ranks) == ("hang", "rank-missing", [1])
+    assert (found.verdict, found.kind, found.ranks) == ("hang", "rank-missing", [1]), found.text()
     leftovers.check()
 
 

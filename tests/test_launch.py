@@ -17,6 +17,7 @@ from pathlib import Path
 
 import psutil
 import pytest
+from conftest import marker_line
 
 from helpers import launch as launch_module
 from helpers.launch import (
@@ -186,6 +187,84 @@ def test_stack_signal_chains_to_a_handler_already_installed(tmp_path, leftovers)
 def test_stack_signal_without_previous_handler_does_not_kill(leftovers):
     assert launch(lambda: (os.kill(os.getpid(), launch_module.STACK_SIGNAL), "alive")[1],
                   num_processes=2, init_group=False, timeout_s=30) == ["alive", "alive"]
+    leftovers.check()
+
+
+def _churn_until(flag: str) -> str:
+    """A side thread runs Python nonstop (frames pushed and popped) while the main one polls."""
+    import json
+    import threading
+
+    def one(value: int) -> int:
+        return value + 1
+
+    def churn() -> None:
+        while True:
+            total = 0
+            for _ in range(100):
+                total = one(total)
+            json.loads('{"a": [1, 2, 3], "b": {"c": "d"}}')
+
+    threading.Thread(target=churn, name="churn", daemon=True).start()
+    Path(f"{flag}.ready-{os.environ['RANK']}").touch()
+    while not os.path.exists(flag):  # the launcher's prober creates it when done
+        time.sleep(0.05)
+    return "alive"
+
+
+class _StackProber:
+    """Once every rank churns, asks for their stacks ``rounds`` times, then lets them finish."""
+
+    wants_trace = True  # the ranks get the hang doctor's helper thread
+
+    def __init__(self, flag: Path, rounds: int):
+        self.flag, self.rounds, self.dumps = flag, rounds, []
+
+    def poll(self, run) -> None:
+        ready = all(Path(f"{self.flag}.ready-{rank}").exists() for rank in range(run.num_processes))
+        if not ready or self.flag.exists():
+            return
+        for _ in range(self.rounds):
+            self.dumps.append(run.request_stacks())
+        self.flag.touch()
+
+
+def test_traced_ranks_dump_their_stacks_without_a_signal(tmp_path, leftovers):
+    # faulthandler dumping from a signal handler while another thread runs Python can kill the
+    # rank with SIGSEGV (cpython#116008); a traced rank's helper thread dumps under the GIL instead
+    signalled = tmp_path / "signalled"
+    prober = _StackProber(tmp_path / "stop", rounds=10)
+    previous = signal.signal(launch_module.STACK_SIGNAL, lambda *_: signalled.touch())
+    try:  # the ranks inherit this handler; faulthandler chains to it when a signal comes
+        results = launch(_churn_until, (str(prober.flag),), num_processes=2, init_group=False,
+                         timeout_s=60, watchers=[prober])
+    finally:
+        signal.signal(launch_module.STACK_SIGNAL, previous)
+    assert results == ["alive", "alive"]
+    assert not signalled.exists()
+    assert len(prober.dumps) == 10
+    for dump in prober.dumps:
+        assert set(dump) == {0, 1}
+        assert all("in churn" in text and "in _churn_until" in text for text in dump.values())
+    leftovers.check()
+
+
+def _stuck_in_c_holding_the_gil():
+    import re
+
+    # exponential backtracking, and re keeps the GIL all along
+    re.match(r"(a*)*b", "a" * 40)  # line: regex
+
+
+def test_a_traced_rank_stuck_in_c_holding_the_gil_still_shows_its_stack(leftovers):
+    # its helper thread cannot run, so the launcher falls back to the signal
+    started = time.monotonic()
+    with pytest.raises(LaunchTimeout) as info:
+        launch(_stuck_in_c_holding_the_gil, num_processes=1, timeout_s=2)
+    assert "in _stuck_in_c_holding_the_gil" in info.value.stacks[0]
+    regex = f"{Path(__file__).name}:{marker_line(__file__, 'regex')}"
+    assert info.value.diagnosis.per_rank[0].location == regex
+    assert time.monotonic() - started < 20
     leftovers.check()
 
 
