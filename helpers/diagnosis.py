@@ -781,10 +781,15 @@ def _unknown_summary(positions: dict[int, Position]) -> str:
             what += f" {_op_name(pos.op)}"
         if pos.where:
             what += f" at {pos.where}"
-        if pos.detail:
+        if pos.detail and pos.detail != f"at {pos.where}":
             what += f" ({pos.detail})"
         parts.append(f"rank {pos.rank}: {what}")
-    return "The run stopped without a recognisable pattern. " + "; ".join(parts) + "."
+    if all(pos.state == "outside-collective" for pos in positions.values()):
+        lead = ("No rank was waiting in a collective: all were computing, or stuck outside "
+                "torch.distributed (their stacks say where). ")
+    else:
+        lead = "The run stopped without a recognisable pattern. "
+    return lead + "; ".join(parts) + "."
 
 
 # ---------------------------------------------------------------------------------------------

@@ -263,7 +263,11 @@ def test_a_traced_rank_stuck_in_c_holding_the_gil_still_shows_its_stack(leftover
         launch(_stuck_in_c_holding_the_gil, num_processes=1, timeout_s=2)
     assert "in _stuck_in_c_holding_the_gil" in info.value.stacks[0]
     regex = f"{Path(__file__).name}:{marker_line(__file__, 'regex')}"
-    assert info.value.diagnosis.per_rank[0].location == regex
+    found = info.value.diagnosis
+    assert found.per_rank[0].location == regex
+    assert found.summary == ("No rank was waiting in a collective: all were computing, or stuck "
+                             f"outside torch.distributed (their stacks say where). rank 0: "
+                             f"outside-collective at {regex}.")
     assert time.monotonic() - started < 20
     leftovers.check()
 
