@@ -513,7 +513,8 @@ def _current(view: RankView) -> Position:
     return pos
 
 
-_FH_THREAD = re.compile(r"^(Current thread|Thread) 0x[0-9a-f]+ .*most recent call first\):?$", re.MULTILINE)
+_FH_THREAD = re.compile(r"^((Current thread|Thread) 0x[0-9a-f]+ .*|Stack )\(most recent call first\):?$",
+                        re.MULTILINE)
 _FH_FRAME = re.compile(r'^\s+File "(?P<file>[^"]+)", line (?P<line>\d+) in (?P<func>\S+)', re.MULTILINE)
 
 

@@ -626,7 +626,9 @@ def run_script(argv: list[str]) -> NoReturn:
     else:  # under torchrun, which stops ranks with SIGTERM: leave their stacks for a post-mortem
         import signal
 
-        faulthandler.register(signal.SIGTERM, file=stack_handle, all_threads=True, chain=True)
+        # only the thread the signal interrupts (the main one): walking the others' stacks from a
+        # signal handler can segfault while the helper thread runs Python (see dump_stacks)
+        faulthandler.register(signal.SIGTERM, file=stack_handle, all_threads=False, chain=True)
     install(run_dir, rank)
     module = argv[0] == "-m"
     target = argv[1] if module else argv[0]
