@@ -7,8 +7,9 @@ rank and returns the ranks' return values as a list ordered by rank.
 Guarantees, whatever happens (success, an exception in a rank, a hang past the deadline, a killed
 rank, KeyboardInterrupt in the caller, the caller killed with SIGKILL):
 - every rank has SIGINT/SIGTERM at their defaults and dies with its parent (PR_SET_PDEATHSIG);
-- each rank's Python stacks can be dumped on request (faulthandler on ``STACK_SIGNAL``, blocked
-  across the fork so an early signal cannot kill a rank before the handler is registered);
+- each rank's Python stacks can be dumped on request: a traced rank's helper thread writes them
+  holding the GIL; otherwise faulthandler on ``STACK_SIGNAL`` (blocked across the fork so an early
+  signal cannot kill a rank before the handler is registered);
 - the run ends with every child and grandchild gone (SIGTERM, SIGKILL within 2 s), and the run's
   temporary folder removed: torch.distributed's and torchelastic's temporary files go inside it.
 
