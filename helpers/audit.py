@@ -33,6 +33,8 @@ __all__ = ["AuditReport", "AuditRun", "DiffResult", "Facts", "Finding", "FleetRe
 
 EXIT_OK, EXIT_PROBLEM, EXIT_USAGE = 0, 1, 2
 REPORT_NAME = "audit"
+EXPORT_FOLDER = "export"  # inside report_dir: the anonymised copy to share
+UPLOAD_FOLDER = "uploads"  # inside report_dir: reports uploaded through the panel
 
 
 # ---------------------------------------------------------------------------------------------
@@ -255,6 +257,31 @@ def run_audit(report_dir: str = "reports/audit", compare_with: str = "", strict:
     files = write_report(result, cfg.report_dir)
     diff = compare(files.json_path, cfg.compare_with) if cfg.compare_with else None
     return AuditRun(result, files, diff if isinstance(diff, DiffResult) else None, cfg.min_severity)
+
+
+def export_audit(report_dir: str = "reports/audit", compare_with: str = "", strict: bool = False,
+                 anonymize: bool = False, min_severity: str = "info") -> ReportFiles:
+    """A copy of the report to share outside the team: always anonymised (host and user names,
+    home folders; secrets are redacted in every report), written to ``report_dir``/export/.
+
+    Takes the panel's values like ``run_audit``; only ``report_dir`` matters here.
+    """
+    cfg = check_config(params.validate(report_dir=report_dir, compare_with=compare_with,
+                                       strict=strict, anonymize=anonymize,
+                                       min_severity=min_severity))
+    result = judge(collect_facts(anonymize=True))
+    return write_report(result, Path(cfg.report_dir) / EXPORT_FOLDER)
+
+
+def panel(cfg: params.Config):
+    """Notebook 01's panel: severity filter, re-run, compare by path or upload, export."""
+    from helpers import ui
+
+    return ui.panel({"Re-run audit": run_audit, "Export": export_audit},
+                    {"report_dir": cfg.report_dir, "compare_with": cfg.compare_with,
+                     "anonymize": cfg.anonymize, "min_severity": "warning"},
+                    title="Environment audit",
+                    uploads={"compare_with": Path(cfg.report_dir) / UPLOAD_FOLDER})
 
 
 def anonymize_facts(facts: dict[str, Any]) -> dict[str, Any]:

@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import argparse
 import ast
+import functools
 import html
 import re
 import sys
@@ -674,6 +675,7 @@ def outcome(broken: ReproRun, fixed: ReproRun | Note | None, files: ReportFiles 
 
 
 ACTIONS = ("build", "run", "show fix", "export")
+BUTTONS = {"Build": "build", "Run": "run", "Show fix": "show fix", "Export": "export"}
 
 
 def explore(symptom: str = "hangs-at-eval", scenario: str = "auto", action: str = "build",
@@ -703,6 +705,17 @@ def explore(symptom: str = "hangs-at-eval", scenario: str = "auto", action: str 
         return run
     fixed = run_fix(script, stall_s) if variant == "broken" else None
     return write_report(run, fixed)
+
+
+def panel(cfg: params.Config):
+    """Notebook 02's panel: symptom, scenario and knobs; Build, Run, Show fix and Export buttons."""
+    from helpers import ui
+
+    actions = {label: functools.partial(explore, action=action) for label, action in BUTTONS.items()}
+    return ui.panel(actions, {"symptom": cfg.symptom, "scenario": "auto",
+                              "num_processes": cfg.num_processes, "stall_s": cfg.stall_s,
+                              "diverge_rank": 1, "step": 2, "out_dir": cfg.out_dir},
+                    choices={"scenario": ["auto", *scenario_ids()]}, title="Minimal repro builder")
 
 
 # ---------------------------------------------------------------------------------------------

@@ -1,4 +1,4 @@
-"""The shared widget panel: controls built from the same parameters, a Run button, the same function.
+"""The shared widget panel: controls built from the same parameters, buttons, the same functions.
 
 Model/gui split: ``Panel`` keeps the values in a plain dict (``panel.values``) and calls
 ``run(**values)`` -- the very function the headless cells call -- so everything it does also works
@@ -9,9 +9,10 @@ from __future__ import annotations
 
 import traceback
 from collections.abc import Callable, Sequence
+from pathlib import Path
 from typing import Any
 
-from helpers import params
+from helpers import params, report
 
 
 def _widget_for(name: str, value: Any, choices: Sequence[Any] | None = None):
@@ -35,19 +36,24 @@ def _widget_for(name: str, value: Any, choices: Sequence[Any] | None = None):
 
 
 class Panel:
-    """Controls for ``defaults`` (name -> starting value), a Run button, an output area.
+    """Controls for ``defaults`` (name -> starting value), one button per action, an output area.
 
-    ``run(**values)`` is called with the validated values on each click; its result is displayed
-    and kept in ``panel.result``. Errors (bad values included) are shown in the output area,
-    never raised into the kernel. The button is disabled while a run is in progress.
+    ``run`` is a function, or a dict of button label -> function (the first is the main one);
+    a click calls it with the validated values, displays the result and keeps it in
+    ``panel.result``. Errors (bad values included) are shown in the output area, never raised into
+    the kernel. The buttons are disabled while a run is in progress. ``uploads`` maps a path
+    parameter to a folder: an upload control next to it saves the chosen file there (atomically)
+    and puts the saved file's path into the parameter.
     """
 
-    def __init__(self, run: Callable[..., Any], defaults: dict[str, Any],
+    def __init__(self, run: Callable[..., Any] | dict[str, Callable[..., Any]], defaults: dict[str, Any],
                  choices: dict[str, Sequence[Any]] | None = None, title: str = "",
-                 button: str = "Run", show: Callable[[Any], None] | None = None):
+                 button: str = "Run", show: Callable[[Any], None] | None = None,
+                 uploads: dict[str, str | Path] | None = None):
         import ipywidgets as widgets
 
-        self.run_fn, self.show_fn = run, show
+        self.actions = dict(run) if isinstance(run, dict) else {button: run}
+        self.show_fn = show
         self.values: dict[str, Any] = dict(defaults)
         self.result: Any = None
         self.error: str | None = None
@@ -55,24 +61,49 @@ class Panel:
                          for name, value in defaults.items()}
         for name, control in self.controls.items():
             control.observe(self._on_change(name), names="value")
-        self.button = widgets.Button(description=button, button_style="primary", icon="play")
-        self.button.on_click(lambda _button: self.click())
+        self.uploads = {name: self._upload_control(name, folder) for name, folder in (uploads or {}).items()}
+        self.buttons = {label: self._button(label, index == 0) for index, label in enumerate(self.actions)}
+        self.button = next(iter(self.buttons.values()))  # the main one
         self.status = widgets.HTML(value="")
         self.output = widgets.Output()
         header = [widgets.HTML(f"<b>{title}</b>")] if title else []
-        self.widget = widgets.VBox(header + list(self.controls.values())
-                                   + [widgets.HBox([self.button, self.status]), self.output])
+        rows = [widgets.VBox([control, self.uploads[name]]) if name in self.uploads else control
+                for name, control in self.controls.items()]
+        self.widget = widgets.VBox(header + rows + [widgets.HBox([*self.buttons.values(), self.status]),
+                                                    self.output])
         self.widget.add_class("helpers-panel")
+
+    def _button(self, label: str, main: bool):
+        import ipywidgets as widgets
+
+        button = widgets.Button(description=label, button_style="primary" if main else "",
+                                icon="play" if main else "")
+        button.on_click(lambda _button: self.click(label))
+        return button
+
+    def _upload_control(self, name: str, folder: str | Path):
+        import ipywidgets as widgets
+
+        upload = widgets.FileUpload(accept=".json", multiple=False, description=f"upload {name}",
+                                    layout=widgets.Layout(width="auto"))
+        upload.observe(lambda change: self._on_upload(name, folder, change["new"]), names="value")
+        return upload
+
+    def _on_upload(self, name: str, folder: str | Path, files: Sequence[dict[str, Any]]) -> None:
+        if not files:
+            return
+        saved = save_upload(folder, files[0]["name"], bytes(files[0]["content"]))
+        self.controls[name].value = str(saved)  # the observer copies it into self.values
 
     def _on_change(self, name: str) -> Callable[[dict], None]:
         def update(change: dict) -> None:
             self.values[name] = change["new"]
         return update
 
-    def click(self) -> Any:
-        """Run once with the current values (what the Run button does); return the result."""
-
-        self.button.disabled = True
+    def click(self, label: str | None = None) -> Any:
+        """Run one action (the main one by default) with the current values; return the result."""
+        action = self.actions[label] if label is not None else next(iter(self.actions.values()))
+        self._set_busy(True)
         self.status.value = "running..."
         self.output.clear_output()
         self.error = None
@@ -82,7 +113,7 @@ class Panel:
             # the traceback and returns True), so an except outside it would never run there
             with self.output:
                 try:
-                    self.result = self.run_fn(**self.values)
+                    self.result = action(**self.values)
                     (self.show_fn or show)(self.result)
                 except Exception as exc:  # noqa: BLE001 - shown to the person, never kills the kernel
                     failed, self.error = type(exc).__name__, f"{type(exc).__name__}: {exc}"
@@ -90,8 +121,12 @@ class Panel:
             self.status.value = (f"<span style='color:#b00'>failed: {failed}</span>" if failed
                                  else "done")
         finally:
-            self.button.disabled = False
+            self._set_busy(False)
         return self.result
+
+    def _set_busy(self, busy: bool) -> None:
+        for button in self.buttons.values():
+            button.disabled = busy
 
     def _ipython_display_(self) -> None:
         from IPython.display import display
@@ -108,6 +143,18 @@ def show(result: Any) -> None:
         display(result.plot())
 
 
-def panel(run: Callable[..., Any], defaults: dict[str, Any], **kwargs: Any) -> Panel:
+def save_upload(folder: str | Path, filename: str, content: bytes) -> Path:
+    """Write an uploaded file into ``folder`` (relative to the repository root) atomically.
+
+    Only the file's own name is kept (no folders from the browser); returns the saved path.
+    """
+    name = Path(filename.replace("\\", "/")).name
+    if name in ("", ".", ".."):
+        raise ValueError(f"upload: {filename!r} is not a file name")
+    return report.atomic_write_bytes(params.resolve_path(folder) / name, content)
+
+
+def panel(run: Callable[..., Any] | dict[str, Callable[..., Any]], defaults: dict[str, Any],
+          **kwargs: Any) -> Panel:
     """Build a ``Panel`` (see its docstring); display it by leaving it last in a cell."""
     return Panel(run, defaults, **kwargs)

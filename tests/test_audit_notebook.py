@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import datetime
 import json
 import sys
 from pathlib import Path
@@ -72,19 +73,31 @@ def test_compare_anonymize_and_strict(tmp_path):
     assert report["findings"][0]["code"] == "CUDA_VISIBLE_DEVICES_INVALID"
 
 
-def test_widget_panel_runs_the_same_function(tmp_path):
-    """The panel (no kernel needed): severity filter, re-run, compare by path, bad path shown."""
-    from helpers import audit, ui
+def test_widget_panel_filters_reruns_compares_an_upload_and_exports(tmp_path):
+    """The notebook's panel (no kernel needed): severity filter, re-run, upload, export, bad path."""
+    from helpers import audit, params
 
-    panel = ui.panel(audit.run_audit, {"report_dir": str(tmp_path / "p"), "compare_with": "",
-                                       "anonymize": False, "min_severity": "warning"})
+    cfg = params.validate(report_dir=str(tmp_path / "p"), compare_with="", anonymize=False)
+    panel = audit.panel(cfg)
+    assert list(panel.buttons) == ["Re-run audit", "Export"]
     assert panel.controls["min_severity"].options == ("info", "warning", "error")
-    panel.controls["compare_with"].value = str(FIXTURES / "healthy_8gpu.json")
-    result = panel.click()
+    content = (FIXTURES / "healthy_8gpu.json").read_bytes()
+    panel.uploads["compare_with"].value = ({"name": "node-7.json", "type": "application/json",
+                                            "size": len(content), "content": memoryview(content),
+                                            "last_modified": datetime.datetime.now(datetime.UTC)},)
+    assert panel.values["compare_with"] == str(tmp_path / "p" / "uploads" / "node-7.json")
+    result = panel.click("Re-run audit")
     assert panel.error is None and result.min_severity == "warning"
     assert "No findings at severity warning" in result._repr_html_()  # NO_GPU is info
     assert result.diff is not None and not result.diff.identical
     assert (tmp_path / "p" / "audit.json").is_file() and (tmp_path / "p" / "audit.html").is_file()
+
+    exported = panel.click("Export")
+    assert panel.error is None and exported.json_path == str(tmp_path / "p" / "export" / "audit.json")
+    shared = json.loads(Path(exported.json_path).read_text())
+    assert shared["facts"]["hostname"] == "<host>"
+    assert json.loads((tmp_path / "p" / "audit.json").read_text())["facts"]["hostname"] != "<host>"
+
     panel.controls["compare_with"].value = str(tmp_path / "missing.json")
     panel.click()
     assert panel.error.startswith("ValueError: compare_with: no such file")

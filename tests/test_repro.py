@@ -286,6 +286,18 @@ def test_panel_builds_the_chosen_scenario_and_says_which_knobs_it_ignored(tmp_pa
     assert "Note: " not in fixed._repr_html_() and "Note: main-only" in script._repr_html_()
 
 
+def test_notebook_panel_has_one_button_per_action(tmp_path):
+    from helpers import params
+
+    cfg = params.validate(symptom="hangs-at-save", num_processes=2, stall_s=5.0, out_dir=str(tmp_path))
+    panel = repro.panel(cfg)
+    assert list(panel.buttons) == ["Build", "Run", "Show fix", "Export"]
+    assert "action" not in panel.controls and panel.values["scenario"] == "auto"
+    panel.buttons["Build"].click()  # what a person does
+    assert panel.error is None and panel.result.name == "main-only-collective"
+    assert panel.result.variant == "broken" and Path(panel.result.path).parent == tmp_path
+
+
 def test_abort_at_interpreter_exit_after_every_rank_finished_is_reported_as_finished():
     from helpers.repro_run import classify
 

@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import datetime
+
+import pytest
+
 from helpers import smoke, ui
 
 
@@ -24,3 +28,42 @@ def test_panel_shows_bad_values_without_raising():
     panel.click()
     assert panel.error.startswith("ValueError: timeout_s must be a number > 0")
     assert "failed" in panel.status.value and not panel.button.disabled
+
+
+def test_a_panel_with_several_buttons_runs_the_one_clicked(tmp_path):
+    def sizes(num_processes: int, label: str) -> str:
+        return f"{label}: {num_processes}"
+
+    panel = ui.panel({"First": lambda num_processes: sizes(num_processes, "first"),
+                      "Second": lambda num_processes: sizes(num_processes, "second")},
+                     {"num_processes": 2})
+    assert [b.description for b in panel.buttons.values()] == ["First", "Second"]
+    assert panel.button is panel.buttons["First"] and panel.button.button_style == "primary"
+    panel.controls["num_processes"].value = 3
+    assert panel.click("Second") == "second: 3" and panel.click() == "first: 3"
+    panel.buttons["Second"].click()  # what a person does
+    assert panel.result == "second: 3" and panel.status.value == "done"
+    assert not any(b.disabled for b in panel.buttons.values())
+
+
+def test_an_upload_is_saved_atomically_and_fills_in_its_parameter(tmp_path):
+    seen = []
+    panel = ui.panel(lambda compare_with: seen.append(compare_with), {"compare_with": ""},
+                     uploads={"compare_with": tmp_path / "uploads"})
+    content = b'{"schema": 1}'
+    # what the browser sends (ipywidgets 8): a tuple of dicts with the name and the bytes
+    panel.uploads["compare_with"].value = ({"name": "../other machine.json", "type": "application/json",
+                                            "size": len(content), "content": memoryview(content),
+                                            "last_modified": datetime.datetime.now(datetime.UTC)},)
+    saved = tmp_path / "uploads" / "other machine.json"
+    assert saved.read_bytes() == content
+    assert panel.controls["compare_with"].value == str(saved) == panel.values["compare_with"]
+    assert [p.name for p in (tmp_path / "uploads").iterdir()] == ["other machine.json"]  # no temp left
+    panel.click()
+    assert seen == [str(saved)]
+
+
+def test_save_upload_refuses_names_that_are_not_files(tmp_path):
+    with pytest.raises(ValueError, match="upload: '..' is not a file name"):
+        ui.save_upload(tmp_path, "..", b"x")
+    assert ui.save_upload(tmp_path, "C:\\Users\\me\\report.json", b"x") == tmp_path / "report.json"
