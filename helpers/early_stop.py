@@ -212,6 +212,15 @@ def run_loop(num_processes: int = 2, stop_rank: int = 1, stop_step: int = 3,
                         cfg.stall_s, seconds, scenario.expected["launch"].kind, diagnosis, ranks)
 
 
+def panel(cfg: params.Config):
+    """Notebook 05's panel: ranks, stop rank, stop step, the fixed/broken toggle, Run."""
+    from helpers import ui
+
+    return ui.panel(run_loop, {"num_processes": cfg.num_processes, "stop_rank": cfg.stop_rank,
+                               "stop_step": cfg.stop_step, "variant": "fixed", "stall_s": cfg.stall_s},
+                    choices={"variant": VARIANTS}, title="Early-stop loop")
+
+
 # ---------------------------------------------------------------------------------------------
 # the static check on the same bug
 

@@ -750,6 +750,20 @@ def model_choices(current: str) -> list[str]:
     return list(dict.fromkeys([*models.BUILTIN, current]))
 
 
+def panel(cfg: params.Config):
+    """Notebook 04's panel: model, budget slider, starting batch size, strategy, Run."""
+    import functools
+
+    from helpers import ui
+
+    return ui.panel(functools.partial(explore, num_processes=cfg.num_processes),
+                    {"model": cfg.model, "memory_budget_mib": cfg.memory_budget_mib,
+                     "starting_batch_size": cfg.starting_batch_size, "strategy": cfg.strategy},
+                    choices={"model": model_choices(cfg.model),
+                             "memory_budget_mib": budget_choices(cfg.memory_budget_mib)},
+                    title="Batch-size explorer")
+
+
 # ---------------------------------------------------------------------------------------------
 # effective batch size
 

@@ -425,6 +425,14 @@ def run_smoke(num_processes: int = 2, max_size_mib: int = 16, timeout_s: float =
                        first["bandwidth"], first["ranks"], time.monotonic() - started, launcher)
 
 
+def panel(cfg: params.Config):
+    """Notebook 03's panel: ranks, largest size, deadline, Run."""
+    from helpers import ui
+
+    return ui.panel(run_smoke, {"num_processes": cfg.num_processes, "max_size_mib": cfg.max_size_mib,
+                                "timeout_s": cfg.timeout_s}, title="Smoke test")
+
+
 # ---------------------------------------------------------------------------------------------
 # command line: `python -m helpers smoke` (local ranks) and `python -m helpers.smoke` (torchrun)
 

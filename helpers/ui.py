@@ -14,16 +14,23 @@ from typing import Any
 
 from helpers import params, report
 
+TOGGLE_MAX = 3  # choices shown as toggle buttons up to this many, else a dropdown
+
 
 def _widget_for(name: str, value: Any, choices: Sequence[Any] | None = None):
+    """The control for one parameter: numeric choices slide, a few choices toggle, more drop down."""
     import ipywidgets as widgets
 
     spec = params.SPECS.get(name)
     style = {"description_width": "initial"}
     common = {"description": name, "style": style}
-    options = choices or (spec.choices if spec and spec.kind == "choice" else None)
+    options = list(choices or (spec.choices if spec and spec.kind == "choice" else None) or [])
+    if options and all(isinstance(o, int | float) and not isinstance(o, bool) for o in options):
+        return widgets.SelectionSlider(options=options, value=value, continuous_update=False, **common)
+    if options and len(options) <= TOGGLE_MAX:
+        return widgets.ToggleButtons(options=options, value=value, **common)
     if options:
-        return widgets.Dropdown(options=list(options), value=value, **common)
+        return widgets.Dropdown(options=options, value=value, **common)
     if isinstance(value, bool):
         return widgets.Checkbox(value=value, indent=False, **common)
     if isinstance(value, int) and spec and spec.high is not None and spec.high - (spec.low or 0) <= 64:

@@ -122,11 +122,13 @@ def test_lint_flags_the_broken_loops_and_none_of_the_fixes():
 
 
 def test_the_panel_switches_to_the_broken_loop_and_refuses_a_bad_stop_rank(leftovers):
-    from helpers import ui
+    import ipywidgets
 
-    panel = ui.panel(early_stop.run_loop, {"num_processes": 2, "stop_rank": 1, "stop_step": 2,
-                                           "variant": "fixed", "stall_s": 2.0},
-                     choices={"variant": early_stop.VARIANTS})
+    from helpers import params
+
+    panel = early_stop.panel(params.validate(num_processes=2, stop_rank=1, stop_step=2, stall_s=2.0))
+    assert isinstance(panel.controls["variant"], ipywidgets.ToggleButtons)
+    assert panel.controls["variant"].options == ("fixed", "broken") and list(panel.buttons) == ["Run"]
     panel.controls["stop_rank"].value = 2  # what a person does with the slider
     panel.click()
     assert panel.error.startswith("ValueError: stop_rank must be an integer in 0..1")

@@ -218,3 +218,22 @@ def test_effective_batch_keeps_the_global_batch():
     assert "x" in odd.rows()[0]["learning rate"]
     with pytest.raises(ValueError, match="max_per_device must be an integer >= 1; got 0"):
         memory.effective_batch(64, max_per_device=0)
+
+
+def test_notebook_panel_slides_the_budget_and_runs_the_explorer(leftovers):
+    import ipywidgets
+
+    from helpers import params
+
+    cfg = params.validate(model="mlp", memory_budget_mib=BUDGET, starting_batch_size=START,
+                          strategy="search", num_processes=1)
+    panel = memory.panel(cfg)
+    budget = panel.controls["memory_budget_mib"]
+    assert isinstance(budget, ipywidgets.SelectionSlider) and budget.value == BUDGET
+    assert isinstance(panel.controls["strategy"], ipywidgets.ToggleButtons)
+    assert isinstance(panel.controls["model"], ipywidgets.ToggleButtons)
+    budget.value = 128  # what a person does with the slider
+    result = panel.click()
+    assert panel.error is None and panel.status.value == "done", panel.error
+    assert result.budget_bytes == 128 << 20 and [s.strategy for s in result.strategies] == ["search"]
+    leftovers.check()

@@ -127,7 +127,7 @@ def run_all_cells(page: Any, timeout_s: float) -> None:
 
 
 def set_control(panel: Any, name: str, value: Any) -> None:
-    """Set the panel's control labelled ``name`` as a person would: pick, type or tick.
+    """Set the panel's control labelled ``name`` as a person would: pick, toggle, type or tick.
 
     The control must show another value before (else the recipe proves nothing) and ``value``
     after.
@@ -137,6 +137,8 @@ def set_control(panel: Any, name: str, value: Any) -> None:
     assert not _same(before, value), f"{name} already shows {before!r}: change it to another value"
     if kind == "select":
         control.select_option(label=str(value))
+    elif kind == "toggle":
+        control.locator(".widget-toggle-button", has_text=re.compile(rf"^{re.escape(str(value))}$")).click()
     elif kind == "checkbox":
         control.set_checked(bool(value))
     elif kind == "slider":  # type into the slider's readout
@@ -152,9 +154,9 @@ def set_control(panel: Any, name: str, value: Any) -> None:
 
 
 def find_control(panel: Any, name: str) -> tuple[str, Any]:
-    """The kind ("select", "checkbox", "slider", "field") and element of the control ``name``."""
+    """The kind ("select", "toggle", "checkbox", "slider", "field") and element of control ``name``."""
     label = panel.page.locator(".widget-label", has_text=re.compile(rf"^{re.escape(name)}$"))
-    row = panel.locator(".widget-inline-hbox").filter(has=label)
+    row = panel.locator(".widget-inline-hbox, .widget-toggle-buttons").filter(has=label)
     if row.count() == 0:  # a checkbox carries its description next to the box
         box = panel.locator(".widget-checkbox").filter(has_text=re.compile(rf"^{re.escape(name)}$"))
         assert box.count() == 1, f"no control named {name!r} in the panel"
@@ -162,6 +164,8 @@ def find_control(panel: Any, name: str) -> tuple[str, Any]:
     assert row.count() == 1, f"{row.count()} controls named {name!r} in the panel"
     if row.locator("select").count():
         return "select", row.locator("select")
+    if row.locator(".widget-toggle-button").count():
+        return "toggle", row
     if row.locator(".widget-readout").count():
         return "slider", row.locator(".widget-readout")
     return "field", row.locator("input, textarea").first
@@ -171,6 +175,8 @@ def read_control(kind: str, control: Any) -> Any:
     """What the control shows now."""
     if kind == "select":
         return control.evaluate("s => s.options[s.selectedIndex].textContent")
+    if kind == "toggle":
+        return control.locator(".widget-toggle-button.mod-active").inner_text().strip()
     if kind == "checkbox":
         return control.is_checked()
     if kind == "slider":
