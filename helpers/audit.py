@@ -259,18 +259,15 @@ def run_audit(report_dir: str = "reports/audit", compare_with: str = "", strict:
     return AuditRun(result, files, diff if isinstance(diff, DiffResult) else None, cfg.min_severity)
 
 
-def export_audit(report_dir: str = "reports/audit", compare_with: str = "", strict: bool = False,
-                 anonymize: bool = False, min_severity: str = "info") -> ReportFiles:
-    """A copy of the report to share outside the team: always anonymised (host and user names,
-    home folders; secrets are redacted in every report), written to ``report_dir``/export/.
+def export_audit(report_dir: str = "reports/audit", **_ignored: Any) -> ReportFiles:
+    """A fresh audit to share outside the team, always anonymised (host and user names, home
+    folders; secrets are redacted in every report), written to ``report_dir``/export/.
 
-    Takes the panel's values like ``run_audit``; only ``report_dir`` matters here.
+    Takes the panel's other values too, and ignores them.
     """
-    cfg = check_config(params.validate(report_dir=report_dir, compare_with=compare_with,
-                                       strict=strict, anonymize=anonymize,
-                                       min_severity=min_severity))
+    folder = params.check("report_dir", report_dir)
     result = judge(collect_facts(anonymize=True))
-    return write_report(result, Path(cfg.report_dir) / EXPORT_FOLDER)
+    return write_report(result, Path(folder) / EXPORT_FOLDER)
 
 
 def panel(cfg: params.Config):
@@ -281,7 +278,7 @@ def panel(cfg: params.Config):
                     {"report_dir": cfg.report_dir, "compare_with": cfg.compare_with,
                      "anonymize": cfg.anonymize, "min_severity": "warning"},
                     title="Environment audit",
-                    uploads={"compare_with": Path(cfg.report_dir) / UPLOAD_FOLDER})
+                    uploads={"compare_with": lambda values: Path(values["report_dir"]) / UPLOAD_FOLDER})
 
 
 def anonymize_facts(facts: dict[str, Any]) -> dict[str, Any]:

@@ -152,9 +152,9 @@ class Doctor:
         self._refresh(run)
         self.requests += 1
         tag = str(self.requests)
+        stacks = run.request_stacks()  # first: answered at once, before the slower state dumps
         asked = [rank for rank in run.live_ranks() if trace.ask(run.run_dir, rank, tag)]
         end = time.monotonic() + EVIDENCE_WAIT_S
-        stacks = run.request_stacks()
         for rank, text in stacks.items():
             self.views[rank].stack_text = text
         while time.monotonic() < end:

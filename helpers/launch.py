@@ -209,8 +209,9 @@ class Run:
 
         A traced rank's helper thread writes them itself, holding the GIL. Other ranks, and those
         whose helper has not answered within ``HELPER_STACK_WAIT_S`` (code stuck in C holding the
-        GIL), get ``STACK_SIGNAL``: faulthandler run from a signal handler can crash a process
-        while another of its threads runs Python (cpython#116008), so it is the fallback.
+        GIL, or a starved machine), get ``STACK_SIGNAL``: faulthandler run from a signal handler
+        can crash a process while another of its threads runs Python (cpython#116008), so it is
+        the fallback, and in traced ranks it dumps only the interrupted (main) thread.
         """
         ranks = self.live_ranks()
         sizes = {rank: _size(self.stack_file(rank)) for rank in ranks}
@@ -286,12 +287,17 @@ def _set_parent_death_signal(parent_pid: int) -> None:
         os._exit(1)
 
 
-def _install_stack_dump(path: Path):
-    """faulthandler on STACK_SIGNAL, chaining to a handler already installed (never to SIG_DFL)."""
+def _install_stack_dump(path: Path, all_threads: bool = True):
+    """faulthandler on STACK_SIGNAL, chaining to a handler already installed (never to SIG_DFL).
+
+    ``all_threads=False`` for traced ranks: their helper thread dumps every thread itself, and the
+    signal is only the fallback when it does not answer; walking the other threads from the signal
+    handler could segfault while that helper runs Python (cpython#116008).
+    """
     handle = open(path, "a", buffering=1)  # noqa: SIM115 - kept open for the rank's lifetime
     previous = signal.getsignal(STACK_SIGNAL)
     chain = callable(previous)
-    faulthandler.register(STACK_SIGNAL, file=handle, all_threads=True, chain=chain)
+    faulthandler.register(STACK_SIGNAL, file=handle, all_threads=all_threads, chain=chain)
     faulthandler.enable(file=handle, all_threads=True)  # SIGSEGV, SIGABRT...: the stack, then death
     signal.pthread_sigmask(signal.SIG_UNBLOCK, {STACK_SIGNAL})
     return handle
@@ -350,7 +356,7 @@ def _rank_main(spec: _RankSpec, fn: Callable[..., Any], args: tuple, kwargs: dic
     signal.signal(signal.SIGTERM, signal.SIG_DFL)
     _set_parent_death_signal(spec.parent_pid)
     (spec.run_dir / f"pid-{os.getpid()}").touch()
-    stack_handle = _install_stack_dump(trace.stack_path(spec.run_dir, spec.rank))
+    stack_handle = _install_stack_dump(trace.stack_path(spec.run_dir, spec.rank), not spec.trace)
     os.environ.update(_rank_environment(spec))
     (spec.run_dir / "tmp").mkdir(exist_ok=True)
     tempfile.tempdir = str(spec.run_dir / "tmp")

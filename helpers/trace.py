@@ -620,7 +620,7 @@ def run_script(argv: list[str]) -> NoReturn:
 
     run_dir = Path(os.environ[ENV_DIR])
     rank = int(os.environ.get(ENV_RANK) or os.environ.get("RANK", "0"))
-    stack_handle = launch._install_stack_dump(stack_path(run_dir, rank))
+    stack_handle = launch._install_stack_dump(stack_path(run_dir, rank), all_threads=False)
     if os.environ.get(ENV_PARENT):  # under helpers.launch
         launch._set_parent_death_signal(int(os.environ[ENV_PARENT]))
     else:  # under torchrun, which stops ranks with SIGTERM: leave their stacks for a post-mortem

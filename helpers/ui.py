@@ -14,6 +14,7 @@ from typing import Any
 
 from helpers import params, report
 
+Folder = str | Path | Callable[[dict[str, Any]], str | Path]  # where an upload goes
 TOGGLE_MAX = 3  # choices shown as toggle buttons up to this many, else a dropdown
 
 
@@ -49,14 +50,14 @@ class Panel:
     a click calls it with the validated values, displays the result and keeps it in
     ``panel.result``. Errors (bad values included) are shown in the output area, never raised into
     the kernel. The buttons are disabled while a run is in progress. ``uploads`` maps a path
-    parameter to a folder: an upload control next to it saves the chosen file there (atomically)
-    and puts the saved file's path into the parameter.
+    parameter to a folder (or a function of the current values giving one): an upload control next
+    to it saves the chosen file there (atomically) and puts the saved file's path into the parameter.
     """
 
     def __init__(self, run: Callable[..., Any] | dict[str, Callable[..., Any]], defaults: dict[str, Any],
                  choices: dict[str, Sequence[Any]] | None = None, title: str = "",
                  button: str = "Run", show: Callable[[Any], None] | None = None,
-                 uploads: dict[str, str | Path] | None = None):
+                 uploads: dict[str, Folder] | None = None):
         import ipywidgets as widgets
 
         self.actions = dict(run) if isinstance(run, dict) else {button: run}
@@ -88,19 +89,30 @@ class Panel:
         button.on_click(lambda _button: self.click(label))
         return button
 
-    def _upload_control(self, name: str, folder: str | Path):
+    def _upload_control(self, name: str, folder: Folder):
         import ipywidgets as widgets
 
         upload = widgets.FileUpload(accept=".json", multiple=False, description=f"upload {name}",
                                     layout=widgets.Layout(width="auto"))
-        upload.observe(lambda change: self._on_upload(name, folder, change["new"]), names="value")
+        upload.observe(lambda _change: self._on_upload(name, folder, upload), names="value")
         return upload
 
-    def _on_upload(self, name: str, folder: str | Path, files: Sequence[dict[str, Any]]) -> None:
+    def _on_upload(self, name: str, folder: Folder, upload: Any) -> None:
+        files = upload.value
         if not files:
             return
-        saved = save_upload(folder, files[0]["name"], bytes(files[0]["content"]))
+        try:
+            target = folder(self.values) if callable(folder) else folder
+            saved = save_upload(target, files[0]["name"], bytes(files[0]["content"]))
+        except (OSError, ValueError) as exc:
+            self.output.clear_output()
+            with self.output:
+                self._show_failure(exc)
+            return
+        finally:
+            upload.value = ()  # choosing the same file again must count as a new upload
         self.controls[name].value = str(saved)  # the observer copies it into self.values
+        self.status.value = f"uploaded {saved.name}"
 
     def _on_change(self, name: str) -> Callable[[dict], None]:
         def update(change: dict) -> None:
@@ -123,13 +135,20 @@ class Panel:
                     self.result = action(**self.values)
                     (self.show_fn or show)(self.result)
                 except Exception as exc:  # noqa: BLE001 - shown to the person, never kills the kernel
-                    failed, self.error = type(exc).__name__, f"{type(exc).__name__}: {exc}"
-                    print(self.error if isinstance(exc, ValueError) else traceback.format_exc())
-            self.status.value = (f"<span style='color:#b00'>failed: {failed}</span>" if failed
-                                 else "done")
+                    failed = self._show_failure(exc)
+            if not failed:
+                self.status.value = "done"
         finally:
             self._set_busy(False)
         return self.result
+
+    def _show_failure(self, exc: Exception) -> str:
+        """Keep and print the error (a ValueError's message, else the traceback); mark the status."""
+        failed = type(exc).__name__
+        self.error = f"{failed}: {exc}"
+        print(self.error if isinstance(exc, ValueError | OSError) else traceback.format_exc())
+        self.status.value = f"<span style='color:#b00'>failed: {failed}</span>"
+        return failed
 
     def _set_busy(self, busy: bool) -> None:
         for button in self.buttons.values():

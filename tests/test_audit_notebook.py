@@ -101,3 +101,5 @@ def test_widget_panel_filters_reruns_compares_an_upload_and_exports(tmp_path):
     panel.controls["compare_with"].value = str(tmp_path / "missing.json")
     panel.click()
     assert panel.error.startswith("ValueError: compare_with: no such file")
+    panel.click("Export")  # a stale compare_with does not block an export
+    assert panel.error is None and Path(panel.result.json_path).is_file()

@@ -46,21 +46,41 @@ def test_a_panel_with_several_buttons_runs_the_one_clicked(tmp_path):
     assert not any(b.disabled for b in panel.buttons.values())
 
 
+def _upload(panel, name: str, filename: str, content: bytes) -> None:
+    """What the browser sends (ipywidgets 8): a tuple of dicts with the name and the bytes."""
+    panel.uploads[name].value = ({"name": filename, "type": "application/json", "size": len(content),
+                                  "content": memoryview(content),
+                                  "last_modified": datetime.datetime.now(datetime.UTC)},)
+
+
 def test_an_upload_is_saved_atomically_and_fills_in_its_parameter(tmp_path):
     seen = []
     panel = ui.panel(lambda compare_with: seen.append(compare_with), {"compare_with": ""},
                      uploads={"compare_with": tmp_path / "uploads"})
     content = b'{"schema": 1}'
-    # what the browser sends (ipywidgets 8): a tuple of dicts with the name and the bytes
-    panel.uploads["compare_with"].value = ({"name": "../other machine.json", "type": "application/json",
-                                            "size": len(content), "content": memoryview(content),
-                                            "last_modified": datetime.datetime.now(datetime.UTC)},)
+    _upload(panel, "compare_with", "../other machine.json", content)
     saved = tmp_path / "uploads" / "other machine.json"
     assert saved.read_bytes() == content
     assert panel.controls["compare_with"].value == str(saved) == panel.values["compare_with"]
     assert [p.name for p in (tmp_path / "uploads").iterdir()] == ["other machine.json"]  # no temp left
     panel.click()
     assert seen == [str(saved)]
+    panel.controls["compare_with"].value = "typed/by/hand.json"
+    _upload(panel, "compare_with", "../other machine.json", content)  # the same file, chosen again
+    assert panel.values["compare_with"] == str(saved)
+
+
+def test_an_upload_goes_where_the_current_values_say_and_a_bad_one_is_shown(tmp_path):
+    panel = ui.panel(lambda report_dir, compare_with: None, {"report_dir": str(tmp_path / "a"),
+                                                             "compare_with": ""},
+                     uploads={"compare_with": lambda values: f"{values['report_dir']}/uploads"})
+    panel.controls["report_dir"].value = str(tmp_path / "b")
+    _upload(panel, "compare_with", "x.json", b"{}")
+    assert panel.values["compare_with"] == str(tmp_path / "b" / "uploads" / "x.json")
+    _upload(panel, "compare_with", "..", b"{}")  # raised inside a widget callback: shown, not raised
+    assert panel.error == "ValueError: upload: '..' is not a file name"
+    assert "failed: ValueError" in panel.status.value
+    assert panel.values["compare_with"] == str(tmp_path / "b" / "uploads" / "x.json")
 
 
 def test_save_upload_refuses_names_that_are_not_files(tmp_path):
