@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import atexit
 import glob
 import os
 import shutil
@@ -19,6 +20,14 @@ NOTEBOOKS = REPO / "notebooks"
 SESSION_TMP = Path(tempfile.mkdtemp(prefix="helpers-tests-"))
 os.environ["TMPDIR"] = str(SESSION_TMP)
 tempfile.tempdir = str(SESSION_TMP)
+_OWNER_PID = os.getpid()
+
+
+@atexit.register
+def _remove_session_temp_folder() -> None:
+    """Also when no test ran (a usage error, a script importing a test module); never in a fork."""
+    if os.getpid() == _OWNER_PID:
+        shutil.rmtree(SESSION_TMP, ignore_errors=True)
 
 
 def _temp_entries() -> set[str]:
