@@ -363,27 +363,21 @@ def _rank_main(spec: _RankSpec, fn: Callable[..., Any], args: tuple, kwargs: dic
     _reset_accelerate_state()
     if "torch" in sys.modules:
         sys.modules["torch"].set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
-    traced = _install_tracer(spec)
+    if spec.trace:  # the hang doctor's tracer, installed before any user code
+        trace.install(spec.run_dir, spec.rank)
     try:
         if spec.init_group:
             _init_group(spec)
         outcome: tuple = ("ok", fn(*args, **kwargs))
-        if traced:
+        if spec.trace:
             trace.finish("finished")
     except BaseException as exc:  # noqa: BLE001 - everything goes back to the caller
         outcome = ("error", type(exc).__name__, str(exc), traceback.format_exc(), time.time())
-        if traced:
+        if spec.trace:
             trace.finish("raised", exc)
     _write_outcome(spec.run_dir / f"result-{spec.rank}.pkl", outcome)
     _destroy_group()
     stack_handle.close()
-
-
-def _install_tracer(spec: _RankSpec) -> bool:
-    """The hang doctor's tracer, installed before any user code (when a watcher wants it)."""
-    if spec.trace:
-        trace.install(spec.run_dir, spec.rank)
-    return spec.trace
 
 
 def _write_outcome(path: Path, outcome: tuple) -> None:
