@@ -65,6 +65,25 @@ def add_param(parser: argparse.ArgumentParser, name: str, default: Any, **kwargs
                         help=f"{spec.help} ({spec.accepted()}; default {default!r})", **kwargs)
 
 
+def parse(parser: argparse.ArgumentParser, argv: list[str]) -> argparse.Namespace | int:
+    """Parse ``argv``; an exit code instead of argparse's ``SystemExit``.
+
+    ``--help`` gives ``EXIT_OK``; bad usage (argparse has printed its message, naming the
+    argument) gives ``EXIT_USAGE``. Callers: ``args = cli.parse(parser, argv)``, then
+    ``if isinstance(args, int): return args``.
+    """
+    try:
+        return parser.parse_args(argv)
+    except SystemExit as exc:
+        return EXIT_OK if exc.code in (0, None) else EXIT_USAGE
+
+
+def usage_error(message: str) -> int:
+    """Print ``error: message`` on stderr and return ``EXIT_USAGE``."""
+    print(f"error: {message}", file=sys.stderr)
+    return EXIT_USAGE
+
+
 def main(argv: list[str] | None = None) -> int:
     """Dispatch ``python -m helpers <command> ...`` to the module owning the command."""
     import importlib

@@ -12,8 +12,11 @@ import json
 import os
 import tempfile
 from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
+
+from helpers import params
 
 
 def to_jsonable(value: Any) -> Any:
@@ -109,6 +112,46 @@ class ResultMixin:
         if path:
             atomic_write_text(path, text)
         return text
+
+
+@dataclass
+class Note(ResultMixin):
+    """A one-line message shown in place of a result: a step that does not apply here, and why."""
+
+    message: str
+
+    def __repr__(self) -> str:
+        return f"Note({self.message!r})"
+
+    def _repr_html_(self) -> str:
+        return f"<p><i>{html.escape(self.message)}</i></p>"
+
+
+class Outcome(ResultMixin):
+    """What a notebook's last cell checks and keeps: ``ok``, ``verdict()`` and ``save()``.
+
+    Every notebook ends the same way::
+
+        result = feature.outcome(...)
+        result.save(cfg.results_path)
+        assert result.ok, result.verdict()
+        print(result.verdict())
+
+    Subclasses are dataclasses with an ``ok`` field (or property) and a ``verdict()`` sentence.
+    """
+
+    ok: bool
+
+    def verdict(self) -> str:
+        """One line for the last cell: what happened, and whether that is what was expected."""
+        raise NotImplementedError
+
+    def save(self, results_path: str | Path) -> Path | None:
+        """Write this outcome's JSON atomically to ``results_path`` (a notebook parameter: relative
+        paths resolve against the repository root); do nothing when it is empty."""
+        if not results_path:
+            return None
+        return atomic_write_json(params.resolve_path(results_path), self)
 
 
 KNOWN_NOISE = (

@@ -1,0 +1,40 @@
+"""What counts as the user's code, for call sites and stack locations.
+
+The doctor names the user's line: the first frame outside torch, accelerate, helpers and the
+standard library. ``helpers.scenarios`` (the catalog's scripts, run as users run them) and
+``__main__`` (the script being run, a notebook cell) are user code.
+
+Two callers know different things. The tracer, inside a rank, sees each frame's module name, so a
+package the user installed into site-packages still counts as theirs. A stack read back from text
+(faulthandler, py-spy) or a traceback has paths only: there a site-packages path cannot be told
+from a third-party library and counts as library code.
+"""
+
+from __future__ import annotations
+
+import sysconfig
+
+USER_PACKAGES = ("helpers.scenarios",)
+LIBRARY_PACKAGES = frozenset({"torch", "accelerate", "helpers"})
+STDLIB = tuple({sysconfig.get_paths()["stdlib"], sysconfig.get_paths()["platstdlib"]})
+
+
+def is_user_code(filename: str, module: str | None = None) -> bool:
+    """Is code in ``filename`` (of module ``module`` when known) the user's own?"""
+    if module is not None:
+        return _user_module(module, filename)
+    if "/helpers/scenarios/" in filename:
+        return True
+    if filename.startswith("<") or "site-packages" in filename or "dist-packages" in filename:
+        return False
+    if any(f"/{package}/" in filename for package in LIBRARY_PACKAGES):
+        return False
+    return not filename.startswith(STDLIB)
+
+
+def _user_module(module: str, filename: str) -> bool:
+    if module == "__main__" or module.startswith(USER_PACKAGES):
+        return True
+    if module.split(".")[0] in LIBRARY_PACKAGES or filename.startswith("<frozen"):
+        return False
+    return not (filename.startswith(STDLIB) and "site-packages" not in filename)
