@@ -209,12 +209,12 @@ def torch_facts(probe: _Probe, timeout_s: float) -> dict[str, Any]:
 
 def cuda_state_here() -> dict[str, Any]:
     """Whether CUDA is already initialised in this process, and by which call (helpers.launch)."""
-    from helpers import launch
+    from helpers import cuda_watch
 
     try:
-        launch.check_cuda_not_initialized()
-    except launch.CudaInitializedError:
-        return {"initialized_here": True, "init_site": launch._cuda_init_site}
+        cuda_watch.check_cuda_not_initialized()
+    except cuda_watch.CudaInitializedError:
+        return {"initialized_here": True, "init_site": cuda_watch.cuda_init_site()}
     return {"initialized_here": False, "init_site": None}
 
 

@@ -13,7 +13,7 @@ from pathlib import Path
 import pynvml
 import pytest
 
-from helpers import audit, audit_facts, launch
+from helpers import audit, audit_facts, cuda_watch
 from helpers.audit_rules import evaluate
 
 sys.path.insert(0, str(Path(__file__).parent / "fixtures" / "audit"))
@@ -230,7 +230,7 @@ def test_cuda_initialised_here_is_read_from_helpers_launch(monkeypatch):
     assert audit.check_before_launch() == []
     fake_torch = types.SimpleNamespace(cuda=types.SimpleNamespace(is_initialized=lambda: True))
     monkeypatch.setitem(sys.modules, "torch", fake_torch)
-    monkeypatch.setattr(launch, "_cuda_init_site", "nb.ipynb:4 (model.cuda())")
+    monkeypatch.setattr(cuda_watch, "_init_site", "nb.ipynb:4 (model.cuda())")
     [finding] = audit.check_before_launch()
     assert finding.code == "CUDA_INITIALIZED_BEFORE_LAUNCH" and finding.severity == "error"
     assert "nb.ipynb:4 (model.cuda())" in finding.evidence

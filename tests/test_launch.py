@@ -19,6 +19,7 @@ import psutil
 import pytest
 from conftest import marker_line
 
+from helpers import cuda_watch
 from helpers import launch as launch_module
 from helpers.launch import (
     CudaInitializedError,
@@ -134,7 +135,7 @@ def test_refuses_to_fork_when_cuda_is_initialised(monkeypatch, leftovers):
     import torch
 
     monkeypatch.setattr(torch.cuda, "is_initialized", lambda: True)
-    monkeypatch.setattr(launch_module, "_cuda_init_site", "notebook.py:12 (model.cuda())")
+    monkeypatch.setattr(cuda_watch, "_init_site", "notebook.py:12 (model.cuda())")
     with pytest.raises(CudaInitializedError, match=r"initialised in this process by notebook.py:12"):
         launch(_rank_and_world, (0,), num_processes=2)
     leftovers.check()
@@ -143,13 +144,13 @@ def test_refuses_to_fork_when_cuda_is_initialised(monkeypatch, leftovers):
 def test_cuda_init_site_names_the_users_line(monkeypatch):
     import torch
 
-    launch_module.install_cuda_watch()
-    monkeypatch.setattr(launch_module, "_cuda_init_site", None)
+    cuda_watch.install_cuda_watch()
+    monkeypatch.setattr(cuda_watch, "_init_site", None)
     with pytest.raises((AssertionError, RuntimeError)):  # no CUDA here: the real init fails
         torch.cuda._lazy_init()
-    assert launch_module._cuda_init_site is not None
-    assert launch_module._cuda_init_site.startswith(f"{__file__}:")
-    assert "torch.cuda._lazy_init()" in launch_module._cuda_init_site
+    site = cuda_watch.cuda_init_site()
+    assert site is not None and site.startswith(f"{__file__}:")
+    assert "torch.cuda._lazy_init()" in site
 
 
 def test_busy_default_port_does_not_collide(leftovers):
