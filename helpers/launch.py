@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import ctypes
 import faulthandler
-import importlib.util
 import multiprocessing
 import multiprocessing.connection
 import os
