@@ -145,7 +145,7 @@ def _median_ratio(numerators: list[float], denominators: list[float]) -> float:
 def overhead_rows(quick: bool) -> list[str]:
     blocks = 6 if quick else BLOCKS
     times = launch.launch(_timed_blocks, (SIZES, blocks, CALLS, True), num_processes=2, timeout_s=600,
-                          doctor=False, env={"TORCH_FR_BUFFER_SIZE": "256"})[0]
+                          env={"TORCH_FR_BUFFER_SIZE": "256"})[0]
     lines = [f"wrapper on/off, interleaved in the same 2 ranks ({blocks} rounds of {CALLS} calls per mode; "
              "Flight Recorder on throughout; ratios are medians of each round's ratio; 'busy' spins "
              f"{BUSY_US:.0f} us of plain CPU before each untraced call, a control for what any per-call "
@@ -169,7 +169,7 @@ def flight_recorder_rows(blocks: int) -> list[str]:
         for mode in ("off", "on", "off again")[index:] + ("off", "on", "off again")[:index]:
             env = {"TORCH_FR_BUFFER_SIZE": "256" if mode == "on" else "0"}
             runs[mode].append(launch.launch(_timed_blocks, (SIZES, max(2, blocks // 3), CALLS, False),
-                                            num_processes=2, timeout_s=600, doctor=False, env=env)[0])
+                                            num_processes=2, timeout_s=600, env=env)[0])
     lines = ["Flight Recorder on/off, alternating launches (3 launches per mode; paired by round):",
              f"{'size':<8}{'off us/call':>13}{'on us/call':>12}{'on/off':>9}{'off/off':>9}"]
     for name in SIZES:
@@ -208,7 +208,7 @@ def _wrapper_cpu(calls: int) -> tuple[float, float]:
 
 
 def wrapper_rows() -> tuple[list[str], bool]:
-    untraced, traced = launch.launch(_wrapper_cpu, (5000,), num_processes=1, timeout_s=600, doctor=False)[0]
+    untraced, traced = launch.launch(_wrapper_cpu, (5000,), num_processes=1, timeout_s=600)[0]
     own = 1e6 * (traced - untraced)
     ok = own <= TARGET_WRAPPER_US
     verdict = "met" if ok else "MISSED"

@@ -20,16 +20,14 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from helpers import report
+from helpers import params, report
 from helpers.launch import describe_exit
 
 EXIT_CODES = {"ok": 0, "hang": 3, "crash": 4, "mismatch": 5}
 KEPT_OPS = 4096  # Python-level records kept per rank in memory
 KINDS = ("ok", "collective-mismatch", "shape-mismatch", "rank-missing", "rank-exited", "unknown")
 
-NB_REPRO = "notebooks/02_minimal_repro_builder.ipynb"
-NB_EARLY_STOP = "notebooks/05_early_stop_sync.ipynb"
-NB_MEMORY = "notebooks/04_batch_size_explorer.ipynb"
+NB_REPRO, NB_EARLY_STOP, NB_MEMORY = params.NB_REPRO, params.NB_EARLY_STOP, params.NB_MEMORY
 
 FIXES = {
     "ok": "Nothing to fix.",

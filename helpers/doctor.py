@@ -23,10 +23,12 @@ import re
 import shutil
 import sys
 import time
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from helpers import cli, launch, params, report
+from helpers import cli, params, report
+from helpers import launch as launching
 from helpers.diagnosis import (
     EXIT_CODES,
     KINDS,
@@ -40,7 +42,8 @@ from helpers.diagnosis import (
 from helpers.launch import LaunchError, LaunchTimeout, RankError, RankExited, Run
 
 __all__ = ["DEFAULT_STALL_S", "EXIT_CODES", "KINDS", "Diagnosis", "Doctor", "HangDetected",
-           "MismatchDetected", "RankReport", "cli_main", "diagnose", "diagnose_dir", "run_command",
+           "MismatchDetected", "RankReport", "cli_main", "diagnose", "diagnose_dir", "launch",
+           "launch_command", "run_command",
            "run_function", "run_torchrun"]
 
 DEFAULT_STALL_S = 30.0
@@ -255,13 +258,30 @@ def keep(run_dir: Path, keep_dir: Path, diagnosis: Diagnosis | None) -> None:
 # running things under the doctor
 
 
+def launch(fn, args: tuple = (), kwargs: dict | None = None, *, stall_s: float = DEFAULT_STALL_S,
+           keep_dir: str | Path | None = None, watchers: Sequence[launching.Watcher] = (),
+           **options: Any) -> list[Any]:
+    """``helpers.launch.launch`` under the hang doctor: a stall, a dead rank or mismatched
+    collectives stop the run with an error whose ``.diagnosis`` says which rank, which collective
+    and which line (``HangDetected``, the rank's ``RankError``/``RankExited``, ``MismatchDetected``).
+    ``options`` are ``launch``'s (num_processes, timeout_s, env, ...)."""
+    return launching.launch(fn, args, kwargs, watchers=[Doctor(stall_s, keep_dir), *watchers], **options)
+
+
+def launch_command(command: Sequence[str], *, stall_s: float = DEFAULT_STALL_S,
+                   keep_dir: str | Path | None = None, watchers: Sequence[launching.Watcher] = (),
+                   **options: Any) -> list[int]:
+    """``helpers.launch.launch_command`` under the hang doctor (see ``launch``)."""
+    return launching.launch_command(command, watchers=[Doctor(stall_s, keep_dir), *watchers], **options)
+
+
 def run_command(command: list[str], num_processes: int = 2, stall_s: float = DEFAULT_STALL_S,
                 timeout_s: float = 3600.0, keep_dir: str | Path | None = None,
                 env: dict[str, str] | None = None) -> Diagnosis:
     """Run a script on ``num_processes`` local ranks under the doctor; return its diagnosis."""
     doctor = Doctor(stall_s, keep_dir=keep_dir)
     try:
-        launch.launch_command(command, num_processes=num_processes, timeout_s=timeout_s,
+        launching.launch_command(command, num_processes=num_processes, timeout_s=timeout_s,
                               watchers=[doctor], env=env)
     except LaunchError as error:
         if getattr(error, "diagnosis", None) is None:
@@ -280,7 +300,7 @@ def run_function(fn, args: tuple = (), kwargs: dict | None = None, num_processes
     """
     doctor = Doctor(stall_s, keep_dir=keep_dir)
     try:
-        results = launch.launch(fn, args, kwargs, num_processes=num_processes, timeout_s=timeout_s,
+        results = launching.launch(fn, args, kwargs, num_processes=num_processes, timeout_s=timeout_s,
                                 watchers=[doctor])
     except LaunchError as error:
         if getattr(error, "diagnosis", None) is None:
@@ -309,7 +329,7 @@ def run_torchrun(command: list[str], trace_dir: str | Path, num_processes: int =
                "PYTHONPATH": python_path}
         env.pop("HELPERS_PARENT_PID", None)
         argv = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(num_processes),
-                "--max-restarts", "0", "--master-port", str(launch.free_port()),
+                "--max-restarts", "0", "--master-port", str(launching.free_port()),
                 "-m", "helpers.trace", *command]
         done = subprocess.run(argv, env=env, stdin=subprocess.DEVNULL, capture_output=True, text=True,
                               timeout=timeout_s)

@@ -362,8 +362,6 @@ def launch(
     env: dict[str, str] | None = None,
     watchers: Sequence[Watcher] = (),
     tick_s: float = 0.1,
-    stall_s: float | None = None,
-    doctor: bool = True,
 ) -> list[Any]:
     """Run ``fn(*args, **kwargs)`` in ``num_processes`` forked ranks; return their values by rank.
 
@@ -373,13 +371,11 @@ def launch(
     ``timeout_s``; carries every rank's stack), CudaInitializedError (refused before forking), or
     whatever a watcher raises; in every case nothing is left running.
 
-    The hang doctor watches by default (``doctor=False`` turns it off): a rank waiting ``stall_s``
-    seconds in a collective while no rank makes progress stops the run with ``HangDetected`` (a
-    LaunchTimeout), and errors carry ``.diagnosis``: which rank, which collective, which line.
+    ``watchers`` look at the run each tick (``Watcher``); none by default. The hang doctor is one:
+    ``helpers.doctor.launch`` runs ``fn`` under it, and its errors carry ``.diagnosis``.
     """
     num_processes = params.check("num_processes", num_processes)
     timeout_s = params.check("timeout_s", timeout_s)
-    watchers = _with_doctor(watchers, doctor and init_group, stall_s)
     check_cuda_not_initialized()
     backend = backend or default_backend(num_processes)
     if init_group:
@@ -406,8 +402,6 @@ def launch_command(
     env: dict[str, str] | None = None,
     watchers: Sequence[Watcher] = (),
     tick_s: float = 0.1,
-    stall_s: float | None = None,
-    doctor: bool = True,
     backend: str | None = None,
 ) -> list[int]:
     """Run a command as ``num_processes`` local ranks with the environment torchrun gives.
@@ -415,12 +409,11 @@ def launch_command(
     ``command`` is ``["script.py", *args]`` or ``["-m", "module", *args]`` (run by this Python with
     the tracer and stack dumps installed first, the script as ``__main__``), or another program (run
     as is). Each rank gets RANK, LOCAL_RANK, WORLD_SIZE, LOCAL_WORLD_SIZE, MASTER_ADDR, MASTER_PORT
-    and, without a GPU per rank, ACCELERATE_USE_CPU=true. Same watch loop, deadline, doctor and
+    and, without a GPU per rank, ACCELERATE_USE_CPU=true. Same watch loop, deadline, watchers and
     cleanup as ``launch``; returns the ranks' exit codes (all 0; a failure raises as in ``launch``).
     """
     num_processes = params.check("num_processes", num_processes)
     timeout_s = params.check("timeout_s", timeout_s)
-    watchers = _with_doctor(watchers, doctor, stall_s)
     backend = backend or default_backend(num_processes)
     run_dir = Path(tempfile.mkdtemp(prefix="helpers-run-"))
     now = time.monotonic()
@@ -435,16 +428,6 @@ def launch_command(
         for proc in run.processes.values():
             proc.close_sentinel()  # type: ignore[attr-defined]
         stop_janitor(janitor)
-
-
-def _with_doctor(watchers: Sequence[Watcher], wanted: bool, stall_s: float | None) -> list[Watcher]:
-    """The watchers, with a hang doctor first unless one is there already or none is wanted."""
-    watchers = list(watchers)
-    if wanted and not _traced(watchers):
-        from helpers import doctor
-
-        watchers.insert(0, doctor.Doctor(doctor.DEFAULT_STALL_S if stall_s is None else stall_s))
-    return watchers
 
 
 def _traced(watchers: Sequence[Watcher]) -> bool:

@@ -511,8 +511,7 @@ def _launch(setup: _Setup, fn: Callable[..., Any], args: tuple) -> list[Any]:
     try:
         # no hang doctor: its tracer thread would allocate inside the capped ranks, and a rank
         # waiting in the one all_reduce for a slower rank's step is not a hang
-        return launch(fn, args, num_processes=n, init_group=n > 1, timeout_s=setup.timeout_s,
-                      doctor=False)
+        return launch(fn, args, num_processes=n, init_group=n > 1, timeout_s=setup.timeout_s)
     except RankError as exc:
         raise ProbeError(f"the training step of {setup.check.model!r} failed for a reason other "
                          f"than memory (rank {exc.rank}: {exc.exc_type}: {exc.exc_message})") from exc

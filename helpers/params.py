@@ -17,6 +17,13 @@ from typing import Any
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 
+# the notebooks, as remedy texts name them (relative to the repository root)
+NB_AUDIT = "notebooks/01_environment_audit.ipynb"
+NB_REPRO = "notebooks/02_minimal_repro_builder.ipynb"
+NB_SMOKE = "notebooks/03_smoke_test.ipynb"
+NB_MEMORY = "notebooks/04_batch_size_explorer.ipynb"
+NB_EARLY_STOP = "notebooks/05_early_stop_sync.ipynb"
+
 
 @dataclass(frozen=True)
 class Spec:

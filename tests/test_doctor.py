@@ -43,7 +43,7 @@ def _skip_barrier_on_rank_one():
 def test_launch_stops_a_stall_with_a_diagnosis(leftovers):
     started = time.monotonic()
     with pytest.raises(doctor.HangDetected) as info:
-        launch(_skip_barrier_on_rank_one, num_processes=2, timeout_s=60, stall_s=1.5)
+        doctor.launch(_skip_barrier_on_rank_one, num_processes=2, timeout_s=60, stall_s=1.5)
     assert isinstance(info.value, LaunchTimeout)
     found = info.value.diagnosis
     assert (found.verdict, found.kind, found.ranks) == ("hang", "rank-missing", [1])
@@ -91,7 +91,7 @@ def _raise_on_rank_one():
 
 def test_a_raising_rank_keeps_its_error_type_and_gets_a_diagnosis(leftovers):
     with pytest.raises(RankError) as info:
-        launch(_raise_on_rank_one, num_processes=2, timeout_s=60)
+        doctor.launch(_raise_on_rank_one, num_processes=2, timeout_s=60)
     found = info.value.diagnosis
     assert info.value.rank == 1
     assert (found.verdict, found.kind, found.ranks) == ("crash", "rank-exited", [1]), found.text()
@@ -113,7 +113,7 @@ def _truncating_broadcast():
 def test_a_run_that_finishes_with_mismatched_shapes_is_a_mismatch(leftovers):
     # gloo fills 5 of the 10 elements on rank 1 and says nothing
     with pytest.raises(doctor.MismatchDetected) as info:
-        launch(_truncating_broadcast, num_processes=2, timeout_s=60)
+        doctor.launch(_truncating_broadcast, num_processes=2, timeout_s=60)
     found = info.value.diagnosis
     assert (found.verdict, found.kind, found.exit_code) == ("mismatch", "shape-mismatch", 5)
     assert f"broadcast at {HERE}:{_line('broadcast')}" in found.summary
@@ -124,7 +124,7 @@ def test_a_run_that_finishes_with_mismatched_shapes_is_a_mismatch(leftovers):
 
 def test_deadline_before_stall_still_explains(leftovers):
     with pytest.raises(LaunchTimeout) as info:
-        launch(_skip_barrier_on_rank_one, num_processes=2, timeout_s=3, stall_s=30)
+        doctor.launch(_skip_barrier_on_rank_one, num_processes=2, timeout_s=3, stall_s=30)
     assert not isinstance(info.value, doctor.HangDetected)
     found = info.value.diagnosis
     assert (found.verdict, found.kind, found.ranks) == ("hang", "rank-missing", [1]), found.text()
@@ -133,7 +133,7 @@ def test_deadline_before_stall_still_explains(leftovers):
 
 def test_doctor_can_be_turned_off(leftovers):
     with pytest.raises(LaunchTimeout) as info:
-        launch(_skip_barrier_on_rank_one, num_processes=2, timeout_s=3, doctor=False)
+        launch(_skip_barrier_on_rank_one, num_processes=2, timeout_s=3)
     assert info.value.diagnosis is None
     leftovers.check()
 

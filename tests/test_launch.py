@@ -19,7 +19,7 @@ import psutil
 import pytest
 from conftest import marker_line
 
-from helpers import cuda_watch
+from helpers import cuda_watch, doctor
 from helpers import launch as launch_module
 from helpers.launch import (
     CudaInitializedError,
@@ -261,7 +261,7 @@ def test_a_traced_rank_stuck_in_c_holding_the_gil_still_shows_its_stack(leftover
     # its helper thread cannot run, so the launcher falls back to the signal
     started = time.monotonic()
     with pytest.raises(LaunchTimeout) as info:
-        launch(_stuck_in_c_holding_the_gil, num_processes=1, timeout_s=2)
+        doctor.launch(_stuck_in_c_holding_the_gil, num_processes=1, timeout_s=2)
     assert "in _stuck_in_c_holding_the_gil" in info.value.stacks[0]
     regex = f"{Path(__file__).name}:{marker_line(__file__, 'regex')}"
     found = info.value.diagnosis

@@ -78,7 +78,7 @@ def test_records_every_call_once_with_site_shapes_and_outcome(tmp_path, leftover
 def test_tracer_leaves_results_unchanged(leftovers):
     healthy = scenarios.get("healthy").load()
     traced = doctor.run_function(healthy.main, num_processes=2, stall_s=10).results
-    plain = launch(healthy.main, num_processes=2, timeout_s=60, doctor=False)
+    plain = launch(healthy.main, num_processes=2, timeout_s=60)
     assert traced == plain
     assert traced[0]["losses"] == traced[1]["losses"] and len(traced[0]["losses"]) == 4
     leftovers.check()
@@ -94,7 +94,7 @@ def test_notebook_cells_are_named_like_ipython_does(leftovers):
                        store_history=True)
         number = shell.execution_count - 1
         with pytest.raises(doctor.HangDetected) as info:
-            launch(shell.user_ns["cell_fn"], num_processes=2, timeout_s=30, stall_s=1.5)
+            doctor.launch(shell.user_ns["cell_fn"], num_processes=2, timeout_s=30, stall_s=1.5)
     finally:
         InteractiveShell.clear_instance()
     found = info.value.diagnosis
@@ -141,7 +141,7 @@ def test_run_script_runs_the_script_as_main(tmp_path, leftovers):
     script.write_text("import sys\nassert __name__ == '__main__'\n"
                       "sys.exit(3 if sys.argv[1:] == ['x'] else 0)\n")
     with pytest.raises(RankExited) as info:
-        launch_command([str(script), "x"], num_processes=1, timeout_s=120)
+        doctor.launch_command([str(script), "x"], num_processes=1, timeout_s=120)
     assert info.value.exit_code == 3
     assert sys.executable
     leftovers.check()
