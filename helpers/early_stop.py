@@ -173,7 +173,7 @@ class EarlyStopRun(report.ResultMixin):
 
     def plot(self):
         """The doctor's swimlane of this run (matplotlib Figure): each rank's collectives over time."""
-        from helpers.swimlane import swimlane
+        from helpers.doctor.swimlane import swimlane
 
         title = f"{self.variant} loop: {self.diagnosis.verdict} ({self.diagnosis.kind})"
         return swimlane(self.diagnosis, title)

@@ -9,7 +9,8 @@ Three ways a secret is recognised:
 - by the value itself: the values of the credential-like variables of the current environment are
   replaced wherever they appear (``redact_text``), so a token copied into a path is caught too.
 
-``anonymize_text`` additionally replaces host names, user names and home folders.
+``anonymize_text`` additionally replaces host names, user names and home folders; ``for_report``
+does both, and names the repository ``<repo>``: text as a person should read it in a shared report.
 Nothing here imports anything heavy: the CLI, ranks and the report suite call it freely.
 """
 
@@ -236,6 +237,15 @@ def local_identity() -> dict[str, list[str]]:
 # executed notebooks
 
 _BINARY_MIME = ("image/", "application/pdf", "video/", "audio/")
+
+
+def for_report(text: str) -> str:
+    """Text fit for a shared report: secrets redacted, the repository's folder shown as ``<repo>``,
+    this machine's host and user names and home folders replaced."""
+    from helpers.params import REPO_ROOT
+
+    text = redact_text(text).replace(str(REPO_ROOT), "<repo>")
+    return anonymize_text(text, **local_identity())
 
 
 def scrub_notebook(path: str | Path, extra_values: Iterable[str] = ()) -> int:

@@ -22,7 +22,8 @@ from helpers import params
 def to_jsonable(value: Any) -> Any:
     """Convert dataclasses, paths, tuples and sets into JSON-ready data (recursively)."""
     if dataclasses.is_dataclass(value) and not isinstance(value, type):
-        return {f.name: to_jsonable(getattr(value, f.name)) for f in dataclasses.fields(value)}
+        return {f.name: to_jsonable(getattr(value, f.name)) for f in dataclasses.fields(value)
+                if f.metadata.get("json", True)}  # metadata={"json": False}: kept out of the JSON
     if isinstance(value, dict):
         return {str(k): to_jsonable(v) for k, v in value.items()}
     if isinstance(value, (list, tuple, set)):

@@ -18,8 +18,9 @@ import psutil
 import pytest
 from conftest import marker_line
 
-from helpers import diagnosis as diagnosis_module
-from helpers import doctor, scenarios
+from helpers import collectives, doctor, scenarios
+from helpers.doctor import diagnosis as diagnosis_module
+from helpers.doctor import source, wording
 from helpers.launch import LaunchTimeout, RankError, launch
 
 HERE = Path(__file__).name
@@ -219,16 +220,16 @@ def _wait_for_traced_ranks(cli: subprocess.Popen, before: set[Path]) -> list[psu
 
 
 def test_canonical_names_and_short_errors():
-    assert diagnosis_module.canonical_op("gloo:all_reduce") == "all_reduce"
-    assert diagnosis_module.canonical_op("all_gather_single") == "all_gather_into_tensor"
-    assert diagnosis_module.short_error(
+    assert collectives.canonical_op("gloo:all_reduce") == "all_reduce"
+    assert collectives.canonical_op("all_gather_single") == "all_gather_into_tensor"
+    assert wording.short_error(
         "RuntimeError: [/__w/pytorch/third_party/gloo/pair.cc:553] Connection closed by peer "
         "[127.0.0.1]:2. This is typically caused by a remote worker crashing.") == \
         "RuntimeError: Connection closed by peer [127.0.0.1]:2."
 
 
 def test_first_divergence_names_the_lowest_sequence_number():
-    op = diagnosis_module.Op
+    op = doctor.Op
     same = {("0", 1): op("all_reduce", shapes=[[4]], dtypes=["float32"])}
     histories = {
         0: {**same, ("0", 2): op("all_reduce", shapes=[[4]], dtypes=["float32"]),
@@ -243,10 +244,10 @@ def test_first_divergence_names_the_lowest_sequence_number():
 
 def test_rank_conditional_lines_are_found_in_the_source():
     script = scenarios.get("main-only-collective")
-    assert diagnosis_module._rank_conditional(str(script.path), script.line("main-only"))
-    assert not diagnosis_module._rank_conditional(str(script.path), script.line("others"))
+    assert source.rank_conditional(str(script.path), script.line("main-only"))
+    assert not source.rank_conditional(str(script.path), script.line("others"))
     loop = scenarios.get("stuck-compute")
-    assert diagnosis_module._enclosing_loop(str(loop.path), loop.line("loop")) == loop.line("loop")
+    assert source.enclosing_loop(str(loop.path), loop.line("loop")) == loop.line("loop")
 
 
 def test_diagnosis_json_has_exactly_the_documented_fields():
@@ -258,7 +259,7 @@ def test_diagnosis_json_has_exactly_the_documented_fields():
 
 
 def test_a_rank_dying_inside_a_collective_after_a_peer_died_is_not_a_second_culprit():
-    from helpers.diagnosis import Op, Position, _exited_culprits
+    from helpers.doctor.diagnosis import Op, Position, _exited_culprits
 
     waiting = Op("all_reduce", seq=4)
     positions = {

@@ -8,7 +8,7 @@ import time
 import pytest
 
 from helpers import early_stop, params, scenarios
-from helpers.diagnosis import Diagnosis, RankReport
+from helpers.doctor import Diagnosis, RankReport
 
 SCRIPT = scenarios.get("early-stop")
 

@@ -17,7 +17,8 @@ from pathlib import Path
 
 import pytest
 
-from helpers import params, repro, repro_replay, scenarios
+from helpers import params, repro, scenarios
+from helpers.repro import replay as repro_replay
 
 REPO = Path(__file__).resolve().parent.parent
 FIXTURES = REPO / "tests" / "fixtures" / "repro"
@@ -219,7 +220,7 @@ def test_notebook_builds_the_replay_when_from_trace_is_set(tmp_path):
 def test_report_holds_no_secret_and_no_machine_identity(tmp_path, monkeypatch):
     """Secret-bearing variables set while the report is written (the audit collects the environment),
     and a recorded error holding a token and a home folder: none of it reaches report.md."""
-    from helpers import repro_run
+    from helpers.repro import runs as repro_run
 
     for name, value in SECRET_ENV.items():
         monkeypatch.setenv(name, value)
@@ -299,7 +300,7 @@ def test_notebook_panel_has_one_button_per_action(tmp_path):
 
 
 def test_abort_at_interpreter_exit_after_every_rank_finished_is_reported_as_finished():
-    from helpers.repro_run import classify
+    from helpers.repro.runs import classify
 
     output = "{'rank': 0}\n{'rank': 1}\nterminate called without an active exception\n"
     outcome, how = classify(-6, output, all_ranks_done=True)

@@ -19,7 +19,8 @@ import sys
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-from helpers import repro, repro_run, scenarios
+from helpers import procs, repro, scenarios
+from helpers.repro import runs as repro_run
 
 REPO = Path(__file__).resolve().parent.parent
 RUNNER = REPO / "tests" / "fixtures" / "repro" / "run_scripts.py"
@@ -155,5 +156,5 @@ def test_a_run_past_its_deadline_is_stopped_with_everything_it_started(tmp_path,
     result = repro_run.run_standalone(script.path, [], 2, "torchrun", timeout_s=12)
     assert result.exit_code is None and result.outcome == "hang", result.output_tail
     assert result.how == "still running at the deadline (stopped)"
-    assert result.seconds < 12 + 2 * repro_run.KILL_GRACE_S + 5
+    assert result.seconds < 12 + 2 * procs.KILL_GRACE_S + 5
     leftovers.check()

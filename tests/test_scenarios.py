@@ -15,7 +15,7 @@ import sys
 import pytest
 
 from helpers import doctor, scenarios
-from helpers.diagnosis import EXIT_CODES
+from helpers.doctor import EXIT_CODES
 
 STALL_S = 2.0
 IDS = [s.id for s in scenarios.SCENARIOS]

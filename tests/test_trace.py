@@ -11,8 +11,9 @@ from pathlib import Path
 import pytest
 from conftest import marker_line
 
-from helpers import doctor, scenarios, trace
+from helpers import doctor, scenarios, sites, trace
 from helpers.launch import RankExited, Run, launch, launch_command
+from helpers.sites import is_user_code
 
 HERE = Path(__file__).name
 
@@ -126,13 +127,21 @@ def test_an_early_stack_request_cannot_kill_a_command_rank(tmp_path, leftovers):
 
 
 def test_user_code_is_told_apart_from_libraries():
-    assert trace._is_user_module("__main__", "/anywhere/site-packages/x.py")
-    assert trace._is_user_module("helpers.scenarios.early_stop", "/repo/helpers/scenarios/early_stop.py")
-    assert trace._is_user_module("train", "/home/me/train.py")
-    assert not trace._is_user_module("torch.nn.parallel.distributed", "/x/torch/nn/parallel/distributed.py")
-    assert not trace._is_user_module("accelerate.state", "/x/accelerate/state.py")
-    assert not trace._is_user_module("helpers.launch", "/repo/helpers/launch.py")
-    assert not trace._is_user_module("contextlib", os.path.join(trace._STDLIB[0], "contextlib.py"))
+    # with the module name (inside a rank): a package the user installed still counts as theirs
+    assert is_user_code("/anywhere/site-packages/x.py", "__main__")
+    assert is_user_code("/repo/helpers/scenarios/early_stop.py", "helpers.scenarios.early_stop")
+    assert is_user_code("/home/me/train.py", "train")
+    assert is_user_code("/venv/site-packages/mytrainer/loop.py", "mytrainer.loop")
+    assert not is_user_code("/x/torch/nn/parallel/distributed.py", "torch.nn.parallel.distributed")
+    assert not is_user_code("/x/accelerate/state.py", "accelerate.state")
+    assert not is_user_code("/repo/helpers/launch/runner.py", "helpers.launch.runner")
+    assert not is_user_code(os.path.join(sites.STDLIB[0], "contextlib.py"), "contextlib")
+    # from a path alone (stack text, tracebacks): site-packages is a library
+    assert is_user_code("/home/me/train.py") and is_user_code("/repo/helpers/scenarios/healthy.py")
+    assert not is_user_code("/venv/site-packages/mytrainer/loop.py")
+    assert not is_user_code("/repo/helpers/doctor/watcher.py")
+    assert not is_user_code(os.path.join(sites.STDLIB[0], "contextlib.py"))
+    assert not is_user_code("<frozen runpy>")
     assert trace.label("/a/b/train.py", 57) == "train.py:57"
 
 

@@ -19,9 +19,8 @@ def swimlane(diagnosis: Any, title: str | None = None):
     """A Figure of the ranks' collectives over time, for a ``helpers.doctor.Diagnosis``."""
     import matplotlib.pyplot as plt
 
-    evidence = getattr(diagnosis, "evidence", {}) or {}
-    views = evidence.get("views") or {}
-    histories = evidence.get("histories") or {}
+    evidence = diagnosis.evidence
+    views, histories = evidence.views, evidence.histories
     ranks = [entry.rank for entry in diagnosis.per_rank]
     origin, end = _time_range(evidence, views, histories)
     figure = plt.figure(figsize=(10, 1.0 + 0.7 * max(1, len(ranks))), layout="constrained")
@@ -33,7 +32,7 @@ def swimlane(diagnosis: Any, title: str | None = None):
         _draw_calls(ax, lane, views.get(rank), origin, end, culprit)
         _draw_cpp_ticks(ax, lane, histories.get(rank) or {}, origin)
         _draw_end(ax, lane, diagnosis.per_rank[lane], views.get(rank), origin, end)
-    stall = evidence.get("stall_start")
+    stall = evidence.stall_start
     if stall:
         ax.axvline(stall - origin, color="#c62828", linestyle="--", linewidth=1)
         ax.text(stall - origin, len(ranks) - 0.4, " progress stopped", color="#c62828", fontsize=8)
@@ -47,7 +46,7 @@ def swimlane(diagnosis: Any, title: str | None = None):
     return figure
 
 
-def _time_range(evidence: dict, views: dict, histories: dict) -> tuple[float, float]:
+def _time_range(evidence: Any, views: dict, histories: dict) -> tuple[float, float]:
     """From the first traced call (start-up is not the story) to when the doctor stopped the run.
 
     The wait itself must show: the axis ends at the diagnosis, not where progress stopped.
@@ -56,8 +55,8 @@ def _time_range(evidence: dict, views: dict, histories: dict) -> tuple[float, fl
     starts += [op.start for h in histories.values() for op in h.values() if op.start]
     ends = [op.end for v in views.values() for op in v.python_ops() if op.end]
     ends += [v.exit["t"] for v in views.values() if getattr(v, "exit", None)]
-    origin = min(starts, default=evidence.get("started") or time.time())
-    end = evidence.get("detected_at") or max(ends + starts, default=origin + 1)
+    origin = min(starts, default=evidence.started or time.time())
+    end = evidence.detected_at or max(ends + starts, default=origin + 1)
     return origin, max(end, max(ends + starts, default=end))
 
 

@@ -5,7 +5,7 @@ trace (``trace-<rank>.jsonl``: the Python-level collectives with shapes, dtypes 
 its state dump (``state-<rank>.json``: stack and torch's Flight Recorder entries, which also hold the
 collectives DDP issues from C++) and ``diagnosis.json``. ``load_recording(DIR)`` reads them back
 strictly (a missing or corrupt file is a ValueError naming it); ``plan_replay`` turns them into one
-list of collectives per rank, read the way the doctor reads them (``helpers.diagnosis.history``), and
+list of collectives per rank, read the way the doctor reads them (``helpers.doctor.history``), and
 where each rank was when the doctor looked; ``render_replay`` writes a standalone script that issues
 exactly those collectives (op, shapes, dtypes, order) with zero-filled tensors and no model or data,
 then leaves each rank where it was: waiting in its last collective, busy outside any, killed by the
@@ -27,7 +27,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from helpers import params, redact
+from helpers import params, redact, rundir
+from helpers.collectives import canonical_op
+from helpers.doctor import RankView, history, read_folder
 
 DEFAULT_PG = "0"
 MESSAGE_LIMIT = 300  # characters of a recorded error message kept in the replay
@@ -60,13 +62,6 @@ OP_CODE: dict[str, str] = {
     "isend": "dist.isend(tensor, dst=peer).wait()",
     "irecv": "dist.irecv(tensor, src=peer).wait()",
 }
-_ALIASES = {"all_gather_single": "all_gather_into_tensor", "_all_gather_base": "all_gather_into_tensor",
-            "_allgather_base": "all_gather_into_tensor", "reduce_scatter_single": "reduce_scatter_tensor",
-            "_reduce_scatter_base": "reduce_scatter_tensor", "monitored_barrier": "barrier",
-            "allreduce": "all_reduce", "allgather": "all_gather", "alltoall": "all_to_all_single",
-            "alltoall_base": "all_to_all_single"}
-
-
 # ---------------------------------------------------------------------------------------------
 # reading a kept run
 
@@ -78,7 +73,7 @@ class Recording:
     folder: Path
     num_processes: int
     diagnosis: dict[str, Any]
-    views: dict[int, Any]  # rank -> helpers.diagnosis.RankView
+    views: dict[int, RankView]
     peers: dict[int, dict[int, int]] = field(default_factory=dict)  # rank -> {record id: p2p peer}
 
     def state_of(self, rank: int) -> str:
@@ -97,10 +92,10 @@ def load_recording(folder: str | Path) -> Recording:
     if not path.is_dir():
         raise ValueError(f"from_trace must be a folder kept by `python -m helpers doctor --keep DIR -- "
                          f"script.py`; {path} {'is a file' if path.exists() else 'does not exist'}")
-    diagnosis = _read_diagnosis(path / "diagnosis.json")
+    diagnosis = _read_diagnosis(rundir.diagnosis_path(path))
     count = len(diagnosis["per_rank"])
     peers: dict[int, dict[int, int]] = {}
-    views = {rank: _read_view(path, rank, peers.setdefault(rank, {})) for rank in range(count)}
+    views = read_folder(path, range(count), strict=True, peers=peers)
     for rank, view in views.items():
         entry = diagnosis["per_rank"][rank]
         if entry.get("state") in ("exited", "finished"):
@@ -110,6 +105,7 @@ def load_recording(folder: str | Path) -> Recording:
 
 
 def _read_diagnosis(path: Path) -> dict[str, Any]:
+    """The diagnosis JSON, checked: a ValueError naming ``from_trace`` when it is not one."""
     if not path.is_file():
         raise ValueError(f"from_trace: {path.parent} holds no diagnosis.json; keep a run with "
                          "`python -m helpers doctor --keep DIR -- script.py`")
@@ -125,47 +121,6 @@ def _read_diagnosis(path: Path) -> dict[str, Any]:
         raise ValueError(f"from_trace: {path} is corrupt: not a doctor's diagnosis (kind, ranks and "
                          "per_rank entries for ranks 0..N-1)")
     return diagnosis
-
-
-def _read_view(folder: Path, rank: int, peers: dict[int, int]) -> Any:
-    from helpers import diagnosis as dx
-
-    trace_file = folder / f"trace-{rank}.jsonl"
-    if not trace_file.is_file():
-        raise ValueError(f"from_trace: {folder} holds no trace-{rank}.jsonl (the diagnosis names "
-                         f"rank {rank}); keep the whole folder the doctor wrote")
-    view = dx.RankView(rank)
-    try:
-        lines = trace_file.read_text().splitlines()
-    except (OSError, UnicodeDecodeError) as exc:
-        raise ValueError(f"from_trace: {trace_file} is corrupt: {exc}") from None
-    for number, line in enumerate(lines, start=1):
-        if not line.strip():
-            continue
-        try:
-            event = json.loads(line)
-            if not isinstance(event, dict) or "ev" not in event:
-                raise ValueError("not a trace record")
-            view.apply(event)
-            if event.get("p2p") and isinstance(event.get("peer"), int):
-                peers[event["id"]] = event["peer"]
-        except (ValueError, KeyError, TypeError) as exc:
-            raise ValueError(f"from_trace: {trace_file} line {number} is a corrupt record "
-                             f"({type(exc).__name__}: {exc})") from None
-    view.state = _read_state(folder / f"state-{rank}.json")
-    return view
-
-
-def _read_state(path: Path) -> dict[str, Any] | None:
-    if not path.exists():
-        return None
-    try:
-        state = json.loads(path.read_text())
-    except (OSError, UnicodeDecodeError, ValueError) as exc:
-        raise ValueError(f"from_trace: {path} is corrupt: {exc}") from None
-    if not isinstance(state, dict) or not isinstance(state.get("fr", []), list):
-        raise ValueError(f"from_trace: {path} is corrupt: not a rank's state dump")
-    return state
 
 
 # ---------------------------------------------------------------------------------------------
@@ -212,9 +167,7 @@ class ReplayPlan:
 
 def plan_replay(recording: Recording) -> ReplayPlan:
     """Each rank's collectives, read as the doctor reads them, and where the rank ended."""
-    from helpers import diagnosis as dx
-
-    ops = {rank: dict(dx.history(view)) for rank, view in recording.views.items()}
+    ops = {rank: dict(history(view)) for rank, view in recording.views.items()}
     notes: list[str] = []
     other_groups = sum(1 for rank_ops in ops.values() for key in rank_ops if key[0] != DEFAULT_PG)
     if other_groups:
@@ -332,8 +285,7 @@ def _step(op: Any) -> Step:
     name = op.op
     if " (" in name:  # an object collective's inner operation: "all_gather_object (all_gather)"
         name = name.split(" (", 1)[1].rstrip(")")
-    name = name.split(":", 1)[-1]
-    name = _ALIASES.get(name, name)
+    name = canonical_op(name)
     shapes = [list(shape) for shape in (op.shapes or []) if isinstance(shape, list | tuple)]
     dtype = (op.dtypes or ["float32"])[0] or "float32"
     origin = op.where or ("from C++ (DDP, for instance)" if op.source == "flight-recorder" else "")
@@ -402,7 +354,7 @@ def render_replay(plan: ReplayPlan, script_name: str) -> str:
 def _header(plan: ReplayPlan, script_name: str) -> str:
     diagnosis = plan.diagnosis
     n = plan.num_processes
-    summary = _anonymous(str(diagnosis.get("summary") or ""))
+    summary = redact.for_report(str(diagnosis.get("summary") or ""))
     lines = [
         f"Replay of a recorded run on {n} ranks: each rank issues the collectives it issued in the",
         "original (ops, shapes, dtypes, order) with zero-filled tensors, no model and no data, then",
@@ -431,10 +383,6 @@ def comment(line: str, indent: str = "") -> str:
     wrapped = textwrap.wrap(line, width=96 - len(indent), subsequent_indent=hanging + "  ",
                             break_on_hyphens=False, break_long_words=False) or [line]
     return "\n".join(f"{indent}# {part}" for part in wrapped)
-
-
-def _anonymous(text: str) -> str:
-    return redact.anonymize_text(redact.redact_text(text), **redact.local_identity())
 
 
 def _imports(ends: set[str]) -> str:

@@ -12,107 +12,30 @@ started is terminated, then killed.
 
 from __future__ import annotations
 
+import html
 import os
 import re
 import shutil
 import signal
-import subprocess
 import sys
 import tempfile
-import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from helpers import params, redact, report
+from helpers import doctor, params, procs, redact, report, rundir
+from helpers.report import Note
+from helpers.repro import replay
+from helpers.repro.script import DEFAULT_OUT_DIR, ReproScript, build_replay, build_script, expected_text
+from helpers.repro.symptoms import get_symptom
 
-KILL_GRACE_S = 2.0
-DOCTOR_FILES = ("trace-*.jsonl", "state-*.json", "stack-*.txt", "diagnosis.json")
+RUN_TIMEOUT_S = 180.0
 LOG_TAIL = 4000  # characters of a run's output kept in results
-
-# ---------------------------------------------------------------------------------------------
-# processes
-
-
-def _death_signal_setter():
-    """A function for the child (between fork and exec) that makes it die with the caller.
-
-    Prepared in the caller: the child only makes one ctypes call (no import, no lock), which keeps
-    it safe when the caller has threads. None where prctl is not available (not Linux).
-    """
-    import ctypes
-
-    try:
-        prctl = ctypes.CDLL(None, use_errno=True).prctl
-    except (OSError, AttributeError):
-        return None
-    return lambda: prctl(1, int(signal.SIGKILL), 0, 0, 0)  # PR_SET_PDEATHSIG
-
-
-def run_process(argv: list[str], timeout_s: float, env: dict[str, str] | None = None,
-                cwd: str | Path | None = None) -> tuple[int | None, str, float]:
-    """Run ``argv``; return (exit code or None past the deadline, output, seconds).
-
-    Past ``timeout_s`` (or on KeyboardInterrupt, re-raised) the process and every descendant are
-    terminated, then killed after ``KILL_GRACE_S``.
-    """
-    started = time.monotonic()
-    with tempfile.TemporaryFile() as sink:
-        proc = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=sink, stderr=subprocess.STDOUT,
-                                env=env, cwd=cwd, preexec_fn=_death_signal_setter())
-        code: int | None = None
-        try:
-            code = proc.wait(timeout=timeout_s)
-        except subprocess.TimeoutExpired:
-            pass
-        finally:
-            if code is None:  # still running (deadline, Ctrl-C): never after a wait reaped it
-                stop_tree(proc)
-        sink.seek(0)
-        output = sink.read().decode("utf-8", errors="replace")
-    return code, output, round(time.monotonic() - started, 3)
-
-
-def stop_tree(proc: subprocess.Popen) -> None:
-    """Terminate ``proc`` and all its descendants (SIGTERM, SIGKILL after KILL_GRACE_S); reap it."""
-    import psutil
-
-    victims: list[psutil.Process] = []
-    try:
-        parent = psutil.Process(proc.pid)
-        victims = [parent, *parent.children(recursive=True)]
-    except psutil.NoSuchProcess:
-        pass
-    victims = [v for v in victims if v.pid != os.getpid()]
-    for victim in victims:
-        try:
-            victim.terminate()
-        except psutil.NoSuchProcess:
-            pass
-    _, alive = psutil.wait_procs(victims, timeout=KILL_GRACE_S)
-    for victim in alive:
-        try:
-            victim.kill()
-        except psutil.NoSuchProcess:
-            pass
-    psutil.wait_procs(alive, timeout=KILL_GRACE_S)
-    try:
-        proc.wait(timeout=KILL_GRACE_S)
-    except subprocess.TimeoutExpired:
-        pass
-
 
 def _python_env(extra: dict[str, str] | None = None) -> dict[str, str]:
     """This environment, with the repository importable (``-m helpers`` from any folder)."""
     path = os.pathsep.join(filter(None, [str(params.REPO_ROOT), os.environ.get("PYTHONPATH")]))
     return {**os.environ, "PYTHONPATH": path, **(extra or {})}
-
-
-def clean_output(text: str) -> str:
-    """Output as a person should read it in a report: secrets, home folders and host names replaced."""
-    text = redact.redact_text(text)
-    text = text.replace(str(params.REPO_ROOT), "<repo>")
-    return redact.anonymize_text(text, **redact.local_identity())
 
 
 # ---------------------------------------------------------------------------------------------
@@ -129,47 +52,30 @@ def run_under_doctor(script: str | Path, args: list[str] | None = None, num_proc
     """
     script = Path(script).resolve()
     keep = Path(keep_dir) if keep_dir else script.with_name(script.stem + "-trace")
-    clear_record(keep)
+    rundir.clear_record(keep)
     argv = [sys.executable, "-m", "helpers", "doctor", "--num-processes", str(num_processes),
             "--stall-s", str(stall_s), "--timeout-s", str(timeout_s), "--keep", str(keep),
             "--", script.name, *(args or [])]
-    code, output, seconds = run_process(argv, timeout_s + 30, _python_env(env), cwd=script.parent)
-    if not (keep / "diagnosis.json").is_file():
+    code, output, seconds = procs.run_process(argv, timeout_s + 30, _python_env(env), cwd=script.parent)
+    if not rundir.diagnosis_path(keep).is_file():
         raise RuntimeError(f"the doctor wrote no diagnosis for {script.name} (exit "
                            f"{'none: past the deadline' if code is None else code}):\n"
-                           f"{clean_output(output)[-LOG_TAIL:]}")
+                           f"{redact.for_report(output)[-LOG_TAIL:]}")
     return load_diagnosis(keep), output, seconds
 
 
-def clear_record(folder: Path) -> None:
-    """Remove a previous doctor record from ``folder`` (only the doctor's own files)."""
-    if not folder.is_dir():
-        return
-    for pattern in DOCTOR_FILES:
-        for path in folder.glob(pattern):
-            path.unlink()
-
-
-def load_diagnosis(keep_dir: str | Path) -> Any:
+def load_diagnosis(keep_dir: str | Path) -> doctor.Diagnosis:
     """The ``Diagnosis`` in a kept folder, with the evidence its swimlane plot reads."""
-    from helpers import diagnosis as dx
-    from helpers.repro_replay import load_recording
-
-    recording = load_recording(keep_dir)
-    data = recording.diagnosis
-    fields = {name: data.get(name) for name in ("verdict", "kind", "ranks", "summary", "fix",
-                                                "detected_after_s")}
-    per_rank = [dx.RankReport(**{k: entry.get(k) for k in ("rank", "state", "op", "seq", "shapes",
-                                                             "location", "exit_code")})
-                for entry in data["per_rank"]]
-    result = dx.Diagnosis(per_rank=per_rank, **fields)
+    recording = replay.load_recording(keep_dir)
+    result = doctor.Diagnosis.from_dict(recording.diagnosis)
     dumps = [(view.state or {}).get("t") for view in recording.views.values()]
     detected_at = max([t for t in dumps if isinstance(t, (int, float))], default=None)
     stall_start = (detected_at - result.detected_after_s
                    if detected_at and result.detected_after_s and result.verdict == "hang" else None)
-    result.evidence = {"views": recording.views,  # type: ignore[attr-defined]
-                       "histories": {rank: dx.history(view) for rank, view in recording.views.items()},
-                       "detected_at": detected_at, "stall_start": stall_start}
+    result.evidence = doctor.Evidence(
+        views=recording.views,
+        histories={rank: doctor.history(view) for rank, view in recording.views.items()},
+        detected_at=detected_at, stall_start=stall_start)
     return result
 
 
@@ -207,10 +113,8 @@ def run_standalone(script: str | Path, args: list[str] | None = None, num_proces
 
     The launcher's temporary files go to a private folder that is removed afterwards.
     """
-    from helpers import launch
-
     script = Path(script).resolve()
-    port = str(launch.free_port())
+    port = str(procs.free_port())
     if launcher == "torchrun":
         shown = ["torchrun", "--nproc-per-node", str(num_processes)]
         argv = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(num_processes)]
@@ -226,14 +130,14 @@ def run_standalone(script: str | Path, args: list[str] | None = None, num_proces
     scratch = tempfile.mkdtemp(prefix="helpers-repro-")
     try:
         run_env = {**os.environ, **extra, **(env or {}), "TMPDIR": scratch}
-        code, output, seconds = run_process(argv, timeout_s, run_env, cwd=script.parent)
+        code, output, seconds = procs.run_process(argv, timeout_s, run_env, cwd=script.parent)
     finally:
         shutil.rmtree(scratch, ignore_errors=True)
     started = len(set(re.findall(r"'rank': (\d+)", output))) or None
     outcome, how = classify(code, output, all_ranks_done=started == num_processes)
     command = " ".join([*(f"{k}={v}" for k, v in (env or {}).items()), *shown, script.name, *(args or [])])
     return Standalone(launcher, command, code, outcome, how, headline(output), seconds,
-                      clean_output(output)[-LOG_TAIL:], started)
+                      redact.for_report(output)[-LOG_TAIL:], started)
 
 
 _TEARDOWN_ABORT = "terminate called without an active exception"
@@ -298,7 +202,7 @@ def headline(output: str) -> str:
             if shapes is not None:
                 listed = [part.strip(" -") for part in shapes.group(1).strip().splitlines()]
                 line += " Input shapes: " + "; ".join(listed)
-            return clean_output(line)[:400]
+            return redact.for_report(line)[:400]
     return ""
 
 
@@ -319,7 +223,7 @@ class DebugContrast(report.ResultMixin):
 
     script: str
     runs: list[Standalone]
-    diagnosis: Any
+    diagnosis: doctor.Diagnosis
 
     def rows(self) -> list[dict[str, Any]]:
         """One row per way of running it: what the user sees, the line that matters, seconds."""
@@ -339,8 +243,8 @@ class DebugContrast(report.ResultMixin):
         return report.html_table(self.rows(), ["how", "what you see", "message", "seconds"])
 
 
-def debug_contrast(script: str | Path, num_processes: int = 2, pg_timeout_s: float = 10.0,
-                   stall_s: float = 5.0, timeout_s: float = 120.0) -> DebugContrast:
+def contrast_debug_modes(script: str | Path, num_processes: int = 2, pg_timeout_s: float = 10.0,
+                         stall_s: float = 5.0, timeout_s: float = 120.0) -> DebugContrast:
     """Run ``script`` plain, with ACCELERATE_DEBUG_MODE=1, with TORCH_DISTRIBUTED_DEBUG=DETAIL (all
     under torchrun, at once) and under the doctor; return what each shows."""
     from concurrent.futures import ThreadPoolExecutor
@@ -354,3 +258,111 @@ def debug_contrast(script: str | Path, num_processes: int = 2, pg_timeout_s: flo
         results = [future.result() for future in runs]
         diagnosis = doctor.result()[0]
     return DebugContrast(str(script), results, diagnosis)
+
+
+# ---------------------------------------------------------------------------------------------
+# a generated script under the doctor, as notebook 02 runs it
+
+
+@dataclass
+class ReproRun(report.ResultMixin):
+    """A generated script run under the hang doctor: its diagnosis, and whether it is the expected one."""
+
+    script: str
+    name: str
+    variant: str
+    num_processes: int
+    stall_s: float
+    diagnosis: doctor.Diagnosis  # with the evidence its swimlane reads
+    expected: dict[str, Any]
+    trace_dir: str
+    seconds: float
+    output_tail: str = ""
+    fix: str = ""
+
+    @property
+    def as_expected(self) -> bool:
+        """Kind, culprit ranks and (when the expectation names some) verdict are the expected ones."""
+        found, wanted = self.diagnosis, self.expected
+        verdicts = wanted.get("verdicts") or []
+        return (found.kind == wanted.get("kind") and (not verdicts or found.verdict in verdicts)
+                and sorted(found.ranks) == sorted(wanted.get("ranks") or []))
+
+    def verdict(self) -> str:
+        """One sentence: what the doctor found and whether that was expected."""
+        found = self.diagnosis
+        head = (f"{Path(self.script).name}: {found.verdict} ({found.kind}), culprit ranks {found.ranks}, "
+                f"in {self.seconds:.1f} s")
+        if self.as_expected:
+            return f"{head}: as expected."
+        return f"{head}: NOT as expected ({expected_text(self.expected)})."
+
+    def __repr__(self) -> str:
+        return f"ReproRun({self.verdict()!r})"
+
+    def swimlane(self):
+        """The doctor's swimlane plot of this run (a matplotlib Figure)."""
+        return self.diagnosis.swimlane()
+
+    def plot(self):
+        """The swimlane (the widget panel shows a result's plot)."""
+        return self.swimlane()
+
+    def _repr_html_(self) -> str:
+        colour = "#2e7d32" if self.as_expected else "#c62828"
+        fixed = self.variant == "fixed" and self.fix
+        fix = f"<p><b>The fix in this variant:</b> {html.escape(self.fix)}</p>" if fixed else ""
+        return (f"<div><p style='color:{colour}'><b>{html.escape(self.verdict())}</b></p>{fix}"
+                f"{self.diagnosis._repr_html_()}</div>")
+
+
+def run_script(script: ReproScript, stall_s: float = 5.0, timeout_s: float = RUN_TIMEOUT_S,
+               env: dict[str, str] | None = None) -> ReproRun:
+    """Run a generated script under ``python -m helpers doctor`` (in a child process); return the run.
+
+    The doctor's record is kept next to the script (``<script>-trace/``, ready for ``build_replay``);
+    the ranks' output goes to ``<script>.log``, secrets removed.
+    """
+    stall_s = params.check("stall_s", stall_s)
+    timeout_s = params.check("timeout_s", timeout_s)
+    path = Path(script.path)
+    keep = path.with_name(path.stem + "-trace")
+    diagnosis, output, seconds = run_under_doctor(path, None, script.num_processes, stall_s,
+                                                  timeout_s, keep, env)
+    cleaned = redact.for_report(output)
+    report.atomic_write_text(path.with_suffix(".log"), cleaned)
+    return ReproRun(str(path), script.name, script.variant, script.num_processes, stall_s, diagnosis,
+                    script.expected, str(keep), seconds, cleaned[-LOG_TAIL:], script.fix)
+
+
+def run_fix(script: ReproScript, stall_s: float = 5.0, timeout_s: float = RUN_TIMEOUT_S) -> ReproRun | Note:
+    """Build the fixed variant of a scenario script (same parameters, same folder) and run it."""
+    if script.variant == "replay":
+        return Note("A replay has no fixed variant: fix the original script (the diagnosis says how), "
+                    "record it again with the doctor and check that it finishes.")
+    overrides = {name.lower(): value for name, value in script.parameters.items()}
+    fixed = build_script(script.name, "fixed", Path(script.path).parent, script.num_processes, **overrides)
+    return run_script(fixed, stall_s, timeout_s)
+
+
+def replay_of(run: ReproRun) -> ReproScript | Note:
+    """The replay of a run's kept record: how a user's own script becomes a short repro."""
+    if run.variant == "replay":
+        return Note("This run already is a replay.")
+    path = Path(run.script)
+    return build_replay(run.trace_dir, path.parent, f"{path.stem}_replay.py")
+
+
+def debug_contrast(symptom: str, num_processes: int = 2, out_dir: str | Path = DEFAULT_OUT_DIR,
+                   stall_s: float = 5.0, pg_timeout_s: float = 10.0) -> Any:
+    """For a shape mismatch: the same script plain, with ACCELERATE_DEBUG_MODE=1, with
+    TORCH_DISTRIBUTED_DEBUG=DETAIL (torchrun) and under the doctor, side by side.
+
+    Other symptoms get a Note (their collectives match in shape: the debug modes do not apply).
+    """
+    if get_symptom(symptom).name != "shape-mismatch-error":
+        return Note("The debug-mode contrast is about shape mismatches: run this notebook with "
+                    "symptom = \"shape-mismatch-error\" to see it.")
+    script = build_script("variable-gather", "broken", out_dir, num_processes)
+    return contrast_debug_modes(script.path, num_processes, pg_timeout_s, stall_s)
+

@@ -1,0 +1,46 @@
+"""The hang doctor: notices a stall or a dead rank in a distributed run, and says what went wrong.
+
+A pipeline by file, like torch's Flight Recorder analyzer:
+- ``records``: the evidence about each rank (``RankView``, ``Op``, ``Position``, ``Evidence``) and the
+  readers of a run folder (live, lenient post-mortem, strict for replays);
+- ``diagnosis``: pure reasoning, views in, a ``Diagnosis`` out (its JSON is the doctor's schema);
+- ``wording``: the fixes and the summary sentences; ``source``: the user's files and stack text;
+- ``watcher``: ``Doctor``, the ``helpers.launch`` watcher that stops a stalled run;
+- ``runs``: launching under the doctor (``launch``, ``run_function``, ``run_command``, torchrun);
+- ``postmortem``: ``diagnose_dir`` on a kept folder; ``swimlane``: the plot; ``cli``: the command.
+
+Kinds (stable names): ok, collective-mismatch, shape-mismatch, rank-missing, rank-exited, unknown.
+CLI: ``python -m helpers doctor --num-processes N -- script.py [args]`` (exit 0/3/4/5, 2 on usage).
+"""
+
+from helpers.doctor.cli import cli_main
+from helpers.doctor.diagnosis import (
+    EXIT_CODES,
+    FIXES,
+    KINDS,
+    Diagnosis,
+    RankReport,
+    diagnose,
+    first_divergence,
+    history,
+    position,
+    python_history,
+)
+from helpers.doctor.postmortem import diagnose_dir
+from helpers.doctor.records import Evidence, Op, Position, RankView, fr_op, read_folder, read_new_records
+from helpers.doctor.runs import (
+    launch,
+    launch_command,
+    run_command,
+    run_function,
+    run_torchrun,
+    torchrun_exit_codes,
+)
+from helpers.doctor.watcher import DEFAULT_STALL_S, Doctor, HangDetected, MismatchDetected, keep
+from helpers.doctor.wording import short_error
+
+__all__ = ["DEFAULT_STALL_S", "EXIT_CODES", "FIXES", "KINDS", "Diagnosis", "Doctor", "Evidence",
+           "HangDetected", "MismatchDetected", "Op", "Position", "RankReport", "RankView", "cli_main",
+           "diagnose", "diagnose_dir", "first_divergence", "fr_op", "history", "keep", "launch",
+           "launch_command", "position", "python_history", "read_folder", "read_new_records",
+           "run_command", "run_function", "run_torchrun", "short_error", "torchrun_exit_codes"]

@@ -1,0 +1,412 @@
+"""The doctor's reasoning: per-rank evidence in, a ``Diagnosis`` out.
+
+``diagnose(views, ...)`` finds each rank's position (in a collective, outside any, finished,
+exited), the first divergence between the ranks' collectives (by process group and torch's
+sequence number, from the Flight Recorder or the Python-level records), and names the kind, the
+culprit ranks, a summary and the fix (``helpers.doctor.wording``). Views come from any collector
+(``helpers.doctor.records``); the reasoning is the same for all.
+
+Kinds (stable names): ok, collective-mismatch, shape-mismatch, rank-missing, rank-exited, unknown.
+"""
+
+from __future__ import annotations
+
+import re
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from helpers import report
+from helpers.doctor import wording
+from helpers.doctor.records import Evidence, Op, Position, RankView, fr_op
+from helpers.doctor.source import faulthandler_stack, rank_conditional
+from helpers.rundir import describe_exit
+
+EXIT_CODES = {"ok": 0, "hang": 3, "crash": 4, "mismatch": 5}
+KINDS = ("ok", "collective-mismatch", "shape-mismatch", "rank-missing", "rank-exited", "unknown")
+FIXES = wording.FIXES
+
+@dataclass
+class RankReport:
+    """One rank in a diagnosis."""
+
+    rank: int
+    state: str  # in-collective | outside-collective | exited | finished
+    op: str | None = None
+    seq: int | None = None
+    shapes: list | None = None
+    location: str | None = None
+    exit_code: int | None = None
+
+    FIELDS = ("rank", "state", "op", "seq", "shapes", "location", "exit_code")
+
+
+@dataclass
+class Diagnosis(report.ResultMixin):
+    """What the doctor concluded. Its JSON (``to_json``, ``--json``) is the doctor's schema:
+    verdict, kind, ranks, summary, fix, detected_after_s and per_rank (one ``RankReport`` per rank
+    of the world). ``evidence`` and ``results`` are not part of it."""
+
+    verdict: str  # ok | hang | crash | mismatch
+    kind: str
+    ranks: list[int]
+    summary: str
+    fix: str
+    detected_after_s: float | None
+    per_rank: list[RankReport] = field(default_factory=list)
+    # what the swimlane, the repro builder and notebooks draw from
+    evidence: Evidence = field(default_factory=Evidence, repr=False, compare=False,
+                               metadata={"json": False})
+    # the ranks' return values, when every rank returned (runs of a function)
+    results: list[Any] | None = field(default=None, repr=False, compare=False, metadata={"json": False})
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> Diagnosis:
+        """A diagnosis read back from its JSON (``diagnosis.json``); the evidence stays empty."""
+        per_rank = [RankReport(**{name: entry.get(name) for name in RankReport.FIELDS})
+                    for entry in data.get("per_rank") or []]
+        return cls(verdict=data.get("verdict"), kind=data.get("kind"), ranks=list(data.get("ranks") or []),
+                   summary=data.get("summary") or "", fix=data.get("fix") or "",
+                   detected_after_s=data.get("detected_after_s"), per_rank=per_rank)
+
+    @property
+    def exit_code(self) -> int:
+        """The CLI's exit code for this verdict (0 ok, 3 hang, 4 crash, 5 mismatch)."""
+        return EXIT_CODES[self.verdict]
+
+    def rows(self) -> list[dict[str, Any]]:
+        """The per-rank table as dict rows (culprit column included)."""
+        rows = []
+        for entry in self.per_rank:
+            row = report.to_jsonable(entry)
+            row["shapes"] = wording.shapes_text(entry.shapes)
+            row["culprit"] = entry.rank in self.ranks
+            rows.append(row)
+        return rows
+
+    def text(self) -> str:
+        """A plain-text report for the CLI and logs."""
+        columns = ["rank", "state", "op", "seq", "shapes", "location", "exit_code"]
+        rows = [{**row, "rank": f"{row['rank']}{' *' if row['culprit'] else ''}"} for row in self.rows()]
+        head = f"doctor: {self.verdict} ({self.kind})"
+        if self.detected_after_s is not None:
+            head += f", detected {self.detected_after_s:.1f} s after progress stopped"
+        return "\n".join([head, self.summary, "", report.text_table(rows, columns), "", "fix: " + self.fix])
+
+    def _repr_html_(self) -> str:
+        import html
+
+        colour = {"ok": "#2e7d32", "hang": "#c62828", "crash": "#c62828", "mismatch": "#ef6c00"}
+        rows = [{**row, "culprit": not row["culprit"]} for row in self.rows()]
+        table = report.html_table(rows, ["rank", "state", "op", "seq", "shapes", "location",
+                                         "exit_code"], highlight="culprit")
+        when = ("" if self.detected_after_s is None
+                else f" &middot; detected {self.detected_after_s:.1f} s after progress stopped")
+        return (f"<div><b style='color:{colour.get(self.verdict, '#000')}'>{html.escape(self.verdict)}"
+                f"</b> &middot; <code>{html.escape(self.kind)}</code>{when}"
+                f"<p>{html.escape(self.summary)}</p>{table}"
+                f"<p><b>Fix:</b> {html.escape(self.fix)}</p></div>")
+
+    def swimlane(self):
+        """A matplotlib Figure: one lane per rank, collectives as boxes, the divergence marked."""
+        from helpers.doctor.swimlane import swimlane
+
+        return swimlane(self)
+
+
+def diagnose(views: dict[int, RankView], num_processes: int, reason: str,
+             detected_after_s: float | None, stacks: dict[int, str] | None = None) -> Diagnosis:
+    """Name what went wrong from the ranks' views. ``reason``: stall, exited, failure, timeout, finished."""
+    positions = {rank: position(views[rank]) if rank in views else Position(rank, "exited")
+                 for rank in range(num_processes)}
+    histories = {rank: history(view) for rank, view in views.items()}
+    kind, culprits, summary = _classify(positions, histories, views)
+    verdict = _verdict(kind, reason, positions)
+    if verdict == "ok":
+        detected_after_s = None
+    per_rank = [_report(positions[rank]) for rank in range(num_processes)]
+    evidence = Evidence(views=views, histories=histories, positions=positions, stacks=stacks or {},
+                        reason=reason, detected_at=time.time())
+    return Diagnosis(verdict, kind, culprits, summary, FIXES[kind], detected_after_s, per_rank, evidence)
+
+
+def _verdict(kind: str, reason: str, positions: dict[int, Position]) -> str:
+    if reason == "finished":
+        return "ok" if kind == "ok" else "mismatch"
+    if any(p.abnormal and not p.victim for p in positions.values()):
+        return "crash"  # killed, a non-zero exit, an exception outside any collective
+    if any(p.timed_out for p in positions.values()):
+        return "hang"  # torch's timeout ended it; other ranks' errors are its echoes
+    return "crash" if any(p.victim for p in positions.values()) else "hang"
+
+
+def _report(pos: Position) -> RankReport:
+    op = pos.op
+    return RankReport(rank=pos.rank, state=pos.state, op=op.op.split(":", 1)[-1] if op else None,
+                      seq=pos.seq, shapes=op.shapes if op else None, location=pos.where,
+                      exit_code=pos.exit_code)
+
+
+def python_history(view: RankView) -> dict[tuple[str, int], Op]:
+    """The rank's Python-level collectives by (process group, torch's sequence number)."""
+    return {(op.pg, op.seq): op for op in view.python_ops() if not op.p2p and op.seq is not None}
+
+
+def history(view: RankView) -> dict[tuple[str, int], Op]:
+    """The rank's collectives by (process group, sequence number), sites attached where known.
+
+    From the Flight Recorder when the rank's state dump has it (it sees C++ collectives too),
+    else from the Python-level records. The two number sequences agree unless p2p ops were used.
+    """
+    python = [op for op in view.python_ops() if not op.p2p]
+    fr = (view.state or {}).get("fr") or []
+    if not fr:
+        return python_history(view)
+    entries: dict[tuple[str, int], Op] = {}
+    for entry in fr:
+        if entry.get("is_p2p"):
+            continue
+        created = (entry.get("time_created_ns") or 0) / 1e9
+        owner = _owner(python, created)
+        op = fr_op(entry)
+        op.ok = True if entry.get("retired") else None
+        if owner is not None:
+            _adopt(op, owner, entry["profiling_name"])
+        entries[(op.pg, op.seq)] = op
+    return entries
+
+
+def _adopt(op: Op, owner: Op, recorded_name: str) -> None:
+    """Give a Flight Recorder entry the site, name and shapes of the Python call that issued it."""
+    op.where, op.file, op.line, op.end, op.error = owner.where, owner.file, owner.line, owner.end, owner.error
+    op.start = owner.start
+    if owner.end is not None:
+        op.ok = owner.ok
+    if not owner.op.endswith(("_object", "_object_list")):  # those issue several inner collectives
+        op.op = owner.op
+        op.shapes = owner.shapes if owner.shapes is not None else op.shapes
+        op.dtypes = owner.dtypes or op.dtypes
+    else:
+        op.op = f"{owner.op} ({recorded_name.split(':', 1)[-1]})"
+
+
+_CLOCK_SLACK_S = 1e-4  # both clocks are the wall clock; the entry is created inside the call
+
+
+def _owner(python: list[Op], created: float) -> Op | None:
+    """The Python-level call during which a Flight Recorder entry was created."""
+    for op in reversed(python):
+        if op.start is None:
+            continue
+        if op.start - _CLOCK_SLACK_S <= created and (op.end is None or created <= op.end + _CLOCK_SLACK_S):
+            return op
+        if op.end is not None and op.end < created - _CLOCK_SLACK_S:
+            break
+    return None
+
+
+def position(view: RankView) -> Position:
+    """Where a rank is: in a collective, outside any, finished, or exited (and how)."""
+    exit_record = view.exit or {}
+    if view.ended and view.exit_code == 0 and exit_record.get("status") == "finished":
+        return Position(view.rank, "finished", exit_code=0, seq=view.last_seq() or None)
+    pos = _current(view)
+    if not view.ended and view.exit is None:
+        pos.exit_code = view.exit_code  # known after the fact for a rank its launcher stopped
+        return pos
+    pos.state, pos.exit_code, pos.abnormal = "exited", view.exit_code, True
+    error = exit_record.get("error")
+    failed = _failed_op(view) or _failed_inside(view, error)
+    if failed is not None:
+        pos.op, pos.victim = failed, True
+        pos.where, pos.file, pos.line = failed.where, failed.file, failed.line
+        pos.seq = failed.seq if pos.seq is None else pos.seq
+        pos.timed_out = bool(re.search(r"timed out|timeout", failed.error or "", re.IGNORECASE))
+        pos.detail = f"raised {wording.short_error(failed.error)}"
+    elif error:
+        pos.op, pos.seq = None, None
+        pos.where, pos.file, pos.line = (exit_record.get(k) for k in ("where", "file", "line"))
+        pos.detail = f"raised {wording.short_error(error)}"
+    else:
+        known = view.exit_code is not None
+        pos.detail = describe_exit(view.exit_code) if known else "ended (no exit recorded)"
+        if not any(not op.async_ for op in view.open.values()):
+            pos.op = pos.seq = None  # its last progress note may be stale: do not guess an op
+        last = next((op for op in reversed(view.python_ops()) if op.where), None)
+        if pos.op is None and last is not None:
+            pos.where, pos.file, pos.line = last.where, last.file, last.line
+    return pos
+
+
+_COMM_ERROR = re.compile(r"gloo|nccl|Connection (reset|closed)|DistBackendError|ProcessGroup|"
+                         r"Timed out waiting|timed out", re.IGNORECASE)
+
+
+def _failed_inside(view: RankView, error: str | None) -> Op | None:
+    """For a communication error raised outside any Python wrapper (DDP's collectives, issued from
+    C++): the collective it came from, i.e. the first not retired, else the last one enqueued."""
+    if not error or not _COMM_ERROR.search(error):
+        return None
+    entries = [e for e in (view.state or {}).get("fr") or [] if not e.get("is_p2p")]
+    pending = [e for e in entries if not e.get("retired")] or entries[-1:]
+    op = fr_op(pending[0]) if pending else Op(op="collective", seq=view.pending_seq())
+    exit_record = view.exit or {}
+    op.where, op.file, op.line = (exit_record.get(k) for k in ("where", "file", "line"))
+    op.error, op.ok = error, False
+    return op
+
+
+def _failed_op(view: RankView) -> Op | None:
+    """The rank's last Python-level call, if it raised (an earlier error the code caught is not it)."""
+    ops = view.python_ops()
+    if ops and ops[-1].end is not None and ops[-1].ok is False:
+        return ops[-1]
+    return None
+
+
+def _current(view: RankView) -> Position:
+    """A live (or last known) rank's position from its open ops, state dump and progress."""
+    state = view.state or {}
+    pending_fr = [e for e in state.get("fr") or [] if not e.get("retired") and not e.get("is_p2p")]
+    sync_open = [op for op in view.open.values() if not op.async_]
+    stack = state.get("stack") or faulthandler_stack(view.stack_text)
+    frame = _innermost_user_frame(stack)
+    if sync_open:
+        op = sync_open[-1]
+        seq = op.seq
+        if pending_fr:
+            seq = pending_fr[0]["collective_seq_id"]
+        return Position(view.rank, "in-collective", op=op, seq=seq, where=op.where, file=op.file,
+                        line=op.line)
+    pending = pending_fr[0] if pending_fr else None
+    if pending is not None or view.pending_seq() is not None:
+        op = fr_op(pending) if pending else Op(op="collective", seq=view.pending_seq())
+        pos = Position(view.rank, "in-collective", op=op, seq=op.seq, detail=wording.issued_by(stack))
+        if frame:
+            pos.where, pos.file, pos.line = frame["where"], frame["file"], frame["line"]
+            op.where, op.file, op.line = pos.where, pos.file, pos.line
+        return pos
+    pos = Position(view.rank, "outside-collective", seq=None)
+    if frame:
+        pos.where, pos.file, pos.line = frame["where"], frame["file"], frame["line"]
+        pos.detail = wording.activity(view.rank, frame, stack)
+    return pos
+
+
+def _innermost_user_frame(stack: list[dict[str, Any]]) -> dict[str, Any] | None:
+    for frame in reversed(stack):
+        if frame.get("user"):
+            return frame
+    return None
+
+
+# ---------------------------------------------------------------------------------------------
+# classification
+
+
+def _classify(positions: dict[int, Position], histories: dict[int, dict], views: dict[int, RankView]):
+    divergence = first_divergence(histories)
+    python = first_divergence({rank: python_history(view) for rank, view in views.items()})
+    if python is not None and (divergence is None or (python[0][1], -len(python[2])) <
+                               (divergence[0][1], -len(divergence[2]))):
+        divergence = python  # earlier, or as early and seen by more ranks (a killed rank has no FR)
+    if divergence is not None:
+        return _divergence_kind(divergence, positions, histories)
+    exited = _exited_culprits(positions)
+    if exited:
+        return "rank-exited", exited, wording.exited_summary(exited, positions)
+    missing = _missing_ranks(positions)
+    if missing:
+        return "rank-missing", missing, wording.missing_summary(missing, positions)
+    if all(p.state == "finished" for p in positions.values()):
+        count = max((len(h) for h in histories.values()), default=0)
+        return "ok", [], (f"All {len(positions)} ranks finished; their collectives matched "
+                          f"({count} compared per rank).")
+    return "unknown", [], wording.unknown_summary(positions)
+
+
+def first_divergence(histories: dict[int, dict[tuple[str, int], Op]]):
+    """The lowest (group, seq) at which ranks that both issued it disagree.
+
+    Returns (key, {signature: ranks}, {rank: op}) or None. Only histories from the same source
+    (Flight Recorder, or Python records) are compared: their numbers agree.
+    """
+    sources = {rank: _source(h) for rank, h in histories.items() if h}
+    fr_ranks = [r for r, s in sources.items() if s == "flight-recorder"]
+    ranks = fr_ranks if len(fr_ranks) >= 2 else [r for r, s in sources.items() if s == "python"]
+    keys = sorted({key for r in ranks for key in histories[r]}, key=lambda k: (k[0], k[1]))
+    for key in keys:
+        present = {r: histories[r][key] for r in ranks if key in histories[r]}
+        if len(present) < 2:
+            continue
+        groups: dict[tuple, list[int]] = {}
+        for rank, op in sorted(present.items()):
+            groups.setdefault(op.signature(), []).append(rank)
+        if len(groups) > 1:
+            return key, groups, present
+    return None
+
+
+def _source(history: dict) -> str:
+    return next(iter(history.values())).source if history else "python"
+
+
+def _divergence_kind(divergence, positions, histories):
+    key, groups, present = divergence
+    ops = {sig[0] for sig in groups}
+    kind = "collective-mismatch" if len(ops) > 1 else "shape-mismatch"
+    culprits = _odd_ones_out(groups, present, histories, key)
+    return kind, culprits, wording.divergence_summary(kind, key, present, culprits, positions)
+
+
+def _odd_ones_out(groups: dict[tuple, list[int]], present: dict[int, Op], histories, key) -> list[int]:
+    """Which ranks diverged: rank-conditional code first, then a strict majority, then history."""
+    everyone = sorted(present)
+    conditional = [r for r in everyone if rank_conditional(present[r].file, present[r].line)]
+    if conditional and len(conditional) < len(everyone):
+        return conditional
+    largest = max(groups.values(), key=len)
+    if len(largest) * 2 > len(everyone):
+        return [r for r in everyone if r not in largest]
+    novel = [r for r in everyone if not _seen_elsewhere(r, present[r], histories, key)]
+    if novel and len(novel) < len(everyone):
+        return novel
+    return everyone
+
+
+def _seen_elsewhere(rank: int, op: Op, histories, key) -> bool:
+    """Did another rank issue this same op (and site, when known) earlier? Then it is the common path."""
+    for other, history in histories.items():
+        if other == rank:
+            continue
+        for other_key, seen in history.items():
+            if other_key[0] != key[0] or other_key[1] >= key[1]:
+                continue
+            same_site = op.where is None or seen.where is None or op.where == seen.where
+            if seen.signature() == op.signature() and same_site:
+                return True
+    return False
+
+
+def _exited_culprits(positions: dict[int, Position]) -> list[int]:
+    """Ranks that ended (not as a victim of another's end) while others still needed them."""
+    demand = max((p.seq or 0 for p in positions.values() if p.state == "in-collective" or p.victim),
+                 default=0)
+    stuck = any(p.state in ("in-collective", "outside-collective") or p.victim for p in positions.values())
+    culprits = []
+    for pos in positions.values():
+        if pos.state == "exited" and not pos.victim:
+            culprits.append(pos.rank)
+        elif pos.state == "finished" and stuck and demand > (pos.seq or 0):
+            culprits.append(pos.rank)
+    # A rank killed while waiting in a collective after a peer died outside any (gloo can SIGSEGV
+    # or SIGABRT when the peer's sockets close) is that death's echo, not a second cause.
+    outside = [r for r in culprits if positions[r].state != "exited" or positions[r].op is None]
+    return sorted(outside or culprits)
+
+
+def _missing_ranks(positions: dict[int, Position]) -> list[int]:
+    waiting = [p for p in positions.values() if p.state == "in-collective" or p.victim]
+    if not waiting:
+        return []
+    return sorted(p.rank for p in positions.values() if p.state == "outside-collective")

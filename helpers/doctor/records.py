@@ -1,0 +1,284 @@
+"""The doctor's evidence about each rank, read from a run folder (``helpers.rundir``).
+
+``RankView`` folds one rank's trace records (``helpers.trace``): the Python-level operations
+(``Op``), progress notes, how it ended, and its latest state dump (stack, Flight Recorder entries).
+``read_new_records`` reads what a live rank appended since the last look; ``read_folder`` reads a
+whole kept folder, leniently (a torchrun post-mortem: skip what is damaged) or strictly (a replay:
+a missing or corrupt file is a ValueError naming it). ``Position`` says where a rank is, and
+``Evidence`` keeps what a diagnosis was drawn from (the swimlane and the repro builder read it).
+Every collector of evidence produces these records; ``helpers.doctor.diagnosis`` reasons on them.
+"""
+
+from __future__ import annotations
+
+import json
+from collections import deque
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from helpers import rundir
+from helpers.collectives import FR_DTYPES, SHAPE_CHECKED, canonical_op
+
+KEPT_OPS = 4096  # Python-level records kept per rank in memory
+
+
+@dataclass
+class Op:
+    """One operation as one rank saw it (a Python-level record, or a Flight Recorder entry)."""
+
+    op: str
+    pg: str = "0"
+    seq: int | None = None
+    shapes: list | None = None
+    dtypes: list | None = None
+    out: list | None = None
+    where: str | None = None
+    file: str | None = None
+    line: int | None = None
+    start: float | None = None
+    end: float | None = None
+    ok: bool | None = None
+    error: str | None = None
+    p2p: bool = False
+    async_: bool = False
+    source: str = "python"
+
+    def signature(self) -> tuple:
+        """What must agree across ranks at one sequence number: the op, then shapes and dtypes."""
+        return (canonical_op(self.op), _shape_key(self))
+
+
+def _shape_key(op: Op) -> tuple:
+    if canonical_op(op.op) not in SHAPE_CHECKED or op.shapes is None:
+        return ()
+    return (tuple(tuple(s) for s in op.shapes), tuple(op.dtypes or ()))
+
+
+@dataclass
+class RankView:
+    """Everything read so far about one rank: its records, progress, end and latest state dump."""
+
+    rank: int
+    offset: int = 0
+    partial: bytes = b""
+    hello: bool = False
+    ops: dict[int, Op] = field(default_factory=dict)
+    order: deque = field(default_factory=lambda: deque(maxlen=KEPT_OPS))
+    open: dict[int, Op] = field(default_factory=dict)
+    progress: dict[str, list[int]] = field(default_factory=dict)
+    progress_t: float | None = None
+    group_up_t: float | None = None
+    last_done_t: float | None = None
+    exit: dict[str, Any] | None = None
+    state: dict[str, Any] | None = None
+    exit_code: int | None = None
+    ended: bool = False
+    stack_text: str = ""
+
+    def apply(self, event: dict[str, Any]) -> None:
+        """Fold one trace record into the view."""
+        kind = event.get("ev")
+        if kind == "op":
+            self._start(event)
+        elif kind == "end":
+            self._end(event)
+        elif kind == "pg":
+            self._progress(event["pg"], event["t"])
+        elif kind == "exit":
+            self.exit = event
+            if event.get("pg"):
+                self._progress(event["pg"], event["t"])
+        elif kind == "hello":
+            self.hello = True
+
+    def _start(self, event: dict[str, Any]) -> None:
+        op = Op(op=event["op"], pg=event.get("pg", "0"), seq=event.get("seq"), shapes=event.get("shapes"),
+                dtypes=event.get("dtypes"), where=event.get("where"), file=event.get("file"),
+                line=event.get("line"), start=event["t"], p2p=bool(event.get("p2p")),
+                async_=bool(event.get("async")))
+        if len(self.order) == self.order.maxlen:
+            self.ops.pop(self.order[0], None)
+        self.order.append(event["id"])
+        self.ops[event["id"]] = op
+        self.open[event["id"]] = op
+        if self.group_up_t is None:
+            self.group_up_t = event["t"]
+
+    def _end(self, event: dict[str, Any]) -> None:
+        op = self.open.pop(event["id"], None) or self.ops.get(event["id"])
+        if op is None:
+            return
+        op.end, op.ok, op.error = event["t"], event.get("ok"), event.get("error")
+        if op.ok:
+            self.last_done_t = max(self.last_done_t or 0.0, event["t"])
+
+    def _progress(self, progress: dict[str, list[int]], t: float) -> None:
+        if self.group_up_t is None:
+            self.group_up_t = t
+        for name, (_enq, done) in progress.items():
+            if done > self.progress.get(name, [0, 0])[1]:
+                self.last_done_t = max(self.last_done_t or 0.0, t)
+        if progress != self.progress:
+            self.progress, self.progress_t = progress, t
+
+    def waiting_since(self) -> float | None:
+        """When this rank started waiting in the collective it is still in (None: not waiting)."""
+        sync = [op.start for op in self.open.values() if not op.async_ and op.start is not None]
+        if sync:
+            return min(sync)
+        if any(enq > done for enq, done in self.progress.values()):
+            return self.progress_t
+        return None
+
+    def pending_seq(self) -> int | None:
+        """torch's sequence number of the collective this rank waits in (pg-seq numbering)."""
+        sync = [op for op in self.open.values() if not op.async_ and op.seq is not None]
+        if sync:
+            return max(op.seq for op in sync)
+        pending = [done + 1 for enq, done in self.progress.values() if enq > done]
+        return min(pending) if pending else None
+
+    def last_seq(self) -> int:
+        """The highest sequence number this rank is known to have issued."""
+        seqs = [op.seq for op in self.ops.values() if op.seq is not None]
+        seqs += [enq for enq, _done in self.progress.values()]
+        return max(seqs, default=0)
+
+    def python_ops(self) -> list[Op]:
+        """The Python-level records kept, oldest first."""
+        return [self.ops[i] for i in self.order if i in self.ops]
+
+
+def read_new_records(view: RankView, path: Path) -> None:
+    """Fold the records appended to ``path`` since the last call into ``view``."""
+    try:
+        with open(path, "rb") as handle:
+            handle.seek(view.offset)
+            data = handle.read()
+    except FileNotFoundError:
+        return
+    view.offset += len(data)
+    *lines, view.partial = (view.partial + data).split(b"\n")
+    for line in lines:
+        try:
+            view.apply(json.loads(line))
+        except (ValueError, KeyError, TypeError):
+            continue
+
+
+def fr_op(entry: dict[str, Any]) -> Op:
+    """A Flight Recorder entry as an ``Op`` (its names and dtypes in torch's spelling)."""
+    return Op(op=entry["profiling_name"], pg=entry.get("pg", "0"), seq=entry["collective_seq_id"],
+              shapes=entry.get("input_sizes"), source="flight-recorder",
+              dtypes=[FR_DTYPES.get(d, d) for d in entry.get("input_dtypes") or []],
+              start=(entry.get("time_created_ns") or 0) / 1e9)
+
+
+@dataclass
+class Position:
+    """Where one rank is (or ended) when the doctor looks."""
+
+    rank: int
+    state: str
+    op: Op | None = None
+    seq: int | None = None
+    where: str | None = None
+    file: str | None = None
+    line: int | None = None
+    detail: str = ""
+    exit_code: int | None = None
+    abnormal: bool = False  # ended by a signal, a non-zero exit or an exception
+    victim: bool = False  # raised inside a collective (a consequence, not a cause)
+    timed_out: bool = False  # its collective hit torch's process-group timeout
+
+
+@dataclass
+class Evidence:
+    """What a diagnosis was drawn from; not part of its JSON (the swimlane and replays read it)."""
+
+    views: dict[int, RankView] = field(default_factory=dict)
+    histories: dict[int, dict[tuple[str, int], Op]] = field(default_factory=dict)
+    positions: dict[int, Position] = field(default_factory=dict)
+    stacks: dict[int, str] = field(default_factory=dict)
+    reason: str = ""
+    detected_at: float | None = None  # when the diagnosis was made (the last state dump)
+    started: float | None = None  # when the run started (its first call, after the fact)
+    stall_start: float | None = None  # when progress stopped (hangs)
+
+
+# ---------------------------------------------------------------------------------------------
+# reading a whole folder
+
+
+def read_folder(folder: str | Path, ranks: range, strict: bool = False,
+                peers: dict[int, dict[int, int]] | None = None) -> dict[int, RankView]:
+    """Every rank's view from a kept folder: trace records, last state dump, stacks.
+
+    ``strict`` (a replay, ``repro --from-trace``): a missing trace or a corrupt record or state is
+    a ValueError naming the parameter ``from_trace``, the file and the line. Otherwise (a
+    post-mortem) damaged parts are skipped. ``peers`` collects each rank's p2p peers by record id.
+    """
+    folder = Path(folder)
+    views = {}
+    for rank in ranks:
+        view = RankView(rank)
+        if strict:
+            _read_strictly(view, folder, (peers or {}).setdefault(rank, {}))
+        else:
+            read_new_records(view, rundir.trace_path(folder, rank))
+            view.state = _lenient_json(rundir.state_path(folder, rank))
+        view.stack_text = _read_text(rundir.stack_path(folder, rank))
+        views[rank] = view
+    return views
+
+
+def _lenient_json(path: Path) -> dict[str, Any] | None:
+    try:
+        return json.loads(path.read_text())
+    except (FileNotFoundError, ValueError):
+        return None
+
+
+def _read_text(path: Path) -> str:
+    try:
+        return path.read_text(errors="replace")
+    except FileNotFoundError:
+        return ""
+
+
+def _read_strictly(view: RankView, folder: Path, peers: dict[int, int]) -> None:
+    trace_file = rundir.trace_path(folder, view.rank)
+    if not trace_file.is_file():
+        raise ValueError(f"from_trace: {folder} holds no {trace_file.name} (the diagnosis names "
+                         f"rank {view.rank}); keep the whole folder the doctor wrote")
+    try:
+        lines = trace_file.read_text().splitlines()
+    except (OSError, UnicodeDecodeError) as exc:
+        raise ValueError(f"from_trace: {trace_file} is corrupt: {exc}") from None
+    for number, line in enumerate(lines, start=1):
+        if not line.strip():
+            continue
+        try:
+            event = json.loads(line)
+            if not isinstance(event, dict) or "ev" not in event:
+                raise ValueError("not a trace record")
+            view.apply(event)
+            if event.get("p2p") and isinstance(event.get("peer"), int):
+                peers[event["id"]] = event["peer"]
+        except (ValueError, KeyError, TypeError) as exc:
+            raise ValueError(f"from_trace: {trace_file} line {number} is a corrupt record "
+                             f"({type(exc).__name__}: {exc})") from None
+    view.state = _strict_state(rundir.state_path(folder, view.rank))
+
+
+def _strict_state(path: Path) -> dict[str, Any] | None:
+    if not path.exists():
+        return None
+    try:
+        state = json.loads(path.read_text())
+    except (OSError, UnicodeDecodeError, ValueError) as exc:
+        raise ValueError(f"from_trace: {path} is corrupt: {exc}") from None
+    if not isinstance(state, dict) or not isinstance(state.get("fr", []), list):
+        raise ValueError(f"from_trace: {path} is corrupt: not a rank's state dump")
+    return state

@@ -1,0 +1,90 @@
+"""What the user's source files and stacks say: rank-dependent branches, loops, stack frames.
+
+The only part of the doctor that reads files besides the run folder: the user's scripts, parsed
+once each (``ast``) and cached for the process, and faulthandler's stack dumps (text).
+"""
+
+from __future__ import annotations
+
+import ast
+import re
+from pathlib import Path
+from typing import Any
+
+from helpers.sites import is_user_code
+
+_RANK_TEST = re.compile(r"is_main_process|is_local_main_process|is_last_process|process_index|"
+                        r"local_process_index|\brank\b|get_rank|RANK")
+_trees: dict[str, Any] = {}
+
+
+def _tree(filename: str | None):
+    if not filename:
+        return None
+    if filename not in _trees:
+        try:
+            source = Path(filename).read_text()
+            _trees[filename] = (ast.parse(source), source)
+        except (OSError, SyntaxError, ValueError):
+            _trees[filename] = None
+    return _trees[filename]
+
+
+def rank_conditional(filename: str | None, line: int | None) -> bool:
+    """Is ``line`` inside an ``if`` whose test depends on the rank (is_main_process, rank == 0...)?"""
+    parsed = _tree(filename)
+    if parsed is None or line is None:
+        return False
+    tree, source = parsed
+    for node in ast.walk(tree):
+        if isinstance(node, ast.If) and node.lineno < line <= (node.end_lineno or 0):
+            test = ast.get_source_segment(source, node.test) or ""
+            if _RANK_TEST.search(test):
+                return True
+    return False
+
+
+def enclosing_loop(filename: str | None, line: int | None) -> int | None:
+    """The header line of the innermost for/while loop around ``line`` (None outside loops)."""
+    parsed = _tree(filename)
+    if parsed is None or line is None:
+        return None
+    best = None
+    for node in ast.walk(parsed[0]):
+        if isinstance(node, (ast.For, ast.While)) and node.lineno <= line <= (node.end_lineno or 0):
+            if best is None or node.lineno > best:
+                best = node.lineno
+    return best
+
+
+def source_line(frame: dict[str, Any]) -> str:
+    parsed = _tree(frame.get("file"))
+    if parsed is None or not frame.get("line"):
+        return ""
+    lines = parsed[1].splitlines()
+    index = frame["line"] - 1
+    return lines[index] if 0 <= index < len(lines) else ""
+
+
+_FH_THREAD = re.compile(r"^((Current thread|Thread) 0x[0-9a-f]+ .*|Stack )\(most recent call first\):?$",
+                        re.MULTILINE)
+_FH_FRAME = re.compile(r'^\s+File "(?P<file>[^"]+)", line (?P<line>\d+) in (?P<func>\S+)', re.MULTILINE)
+
+
+def faulthandler_stack(text: str) -> list[dict[str, Any]]:
+    """The main thread's frames (outermost first) from faulthandler's last dump in ``text``.
+
+    The main thread is the one running a module's code (a ``<module>`` frame).
+    """
+    if not text:
+        return []
+    starts = [m.start() for m in _FH_THREAD.finditer(text)]
+    blocks = [text[a:b] for a, b in zip(starts, [*starts[1:], len(text)], strict=True)]
+    dumps: list[list[dict[str, Any]]] = []
+    for block in blocks:
+        frames = [{"file": m["file"], "line": int(m["line"]), "func": m["func"],
+                   "user": is_user_code(m["file"]), "where": f"{Path(m['file']).name}:{m['line']}"}
+                  for m in _FH_FRAME.finditer(block)][::-1]
+        if any(frame["func"] == "<module>" for frame in frames):
+            dumps.append(frames)
+    return dumps[-1] if dumps else []

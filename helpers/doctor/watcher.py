@@ -1,0 +1,223 @@
+"""The hang doctor as a ``helpers.launch`` watcher: notices a stall or a dead rank, says what went wrong.
+
+Each tick ``Doctor`` reads the ranks' traces (``helpers.trace``). A *stall* is some rank waiting
+inside one collective for ``stall_s`` seconds while no rank completed a collective meanwhile
+(start-up and compute phases in which nobody waits are not stalls). On a stall, or when a rank ends
+while others still need it, the doctor asks every live rank for its stack and Flight Recorder
+entries, names the first divergence (``helpers.doctor.diagnosis``), and the run stops with the
+diagnosis attached to the error (``error.diagnosis``): ``HangDetected`` for a hang, the rank's own
+``RankError``/``RankExited`` for a crash, ``MismatchDetected`` for a run that finished with
+mismatched collectives.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import time
+from pathlib import Path
+from typing import Any
+
+from helpers import params, report, rundir, trace
+from helpers.doctor.diagnosis import Diagnosis, diagnose
+from helpers.doctor.records import RankView, read_new_records
+from helpers.launch import LaunchError, LaunchTimeout, RankError, RankExited, Run, Watcher, rank_failure
+
+DEFAULT_STALL_S = 30.0
+EVIDENCE_WAIT_S = 2.0
+
+
+# ---------------------------------------------------------------------------------------------
+# errors and results
+
+
+class HangDetected(LaunchTimeout):
+    """The doctor stopped a run that stalled (or would): ``.diagnosis`` says where and why."""
+
+
+class MismatchDetected(LaunchError):
+    """The run finished, but its ranks' collectives did not match: results may be wrong."""
+
+
+# ---------------------------------------------------------------------------------------------
+# the watcher
+
+
+class Doctor(Watcher):
+    """A ``helpers.launch`` watcher that diagnoses stalls, dead ranks and mismatched collectives.
+
+    ``stall_s``: seconds some rank may wait in one collective with no rank completing one before
+    the run counts as hung. ``keep_dir``: copy traces, stacks and the diagnosis there at the end.
+    After the run, ``doctor.diagnosis`` holds the last diagnosis (also for runs that went well).
+    """
+
+    wants_trace = True  # launch installs the tracer in the ranks when a watcher says so
+
+    def __init__(self, stall_s: float = DEFAULT_STALL_S, keep_dir: str | Path | None = None):
+        self.stall_s = params.check("stall_s", stall_s)
+        self.keep_dir = Path(keep_dir) if keep_dir else None
+        self.views: dict[int, RankView] = {}
+        self.diagnosis: Diagnosis | None = None
+        self.requests = 0
+        self.started = time.time()
+
+    # -- Watcher protocol -------------------------------------------------------------------
+
+    def poll(self, run: Run) -> None:
+        """Read new records; stop the run (raise HangDetected) on a stall or an early finish."""
+        self._refresh(run)
+        now = time.time()
+        needed = self._finished_but_needed(run)
+        if needed:
+            self._stop(run, "exited", now, None)
+        stall_start = self._stall_start(now)
+        if stall_start is not None:
+            self._stop(run, "stall", now, stall_start)
+
+    def explain(self, run: Run, error: LaunchError) -> LaunchError:
+        """Attach a diagnosis to a failure launch noticed; return the error to raise."""
+        noticed = time.time()
+        reason = "timeout" if isinstance(error, LaunchTimeout) else "failure"
+        self._gather(run)
+        diagnosis = diagnose(self.views, run.num_processes, reason, _since(noticed), self.stacks_of(run))
+        diagnosis.evidence.started = self.started
+        self._conclude(run, diagnosis)
+        culprit = _culprit_error(run, diagnosis, error)
+        _attach(culprit, diagnosis)
+        return culprit
+
+    def finish(self, run: Run, results: list[Any]) -> None:
+        """After a run that ended well: check the collectives matched (else MismatchDetected)."""
+        self._refresh(run)
+        self._read_states(run, "final")
+        diagnosis = diagnose(self.views, run.num_processes, "finished", None, {})
+        diagnosis.evidence.started = self.started
+        self._conclude(run, diagnosis)
+        if diagnosis.verdict == "mismatch":
+            error = MismatchDetected(diagnosis.text())
+            error.results = diagnosis.results = results
+            _attach(error, diagnosis)
+            raise error
+
+    # -- reading ----------------------------------------------------------------------------
+
+    def _refresh(self, run: Run) -> None:
+        for rank in range(run.num_processes):
+            view = self.views.setdefault(rank, RankView(rank))
+            read_new_records(view, rundir.trace_path(run.run_dir, rank))
+            code = run.exit_codes.get(rank)
+            if code is None and rank in run.processes and run.processes[rank].exitcode is not None:
+                code = run.processes[rank].exitcode
+            if code is not None or rank in run.exit_codes:
+                view.ended, view.exit_code = True, code
+
+    def _read_states(self, run: Run, request: str | None) -> None:
+        for rank, view in self.views.items():
+            path = rundir.state_path(run.run_dir, rank)
+            try:
+                state = json.loads(path.read_text())
+            except (FileNotFoundError, ValueError):
+                continue
+            if request is None or state.get("request") in (request, "final"):
+                view.state = state
+
+    def _gather(self, run: Run) -> None:
+        """Ask every live rank for its state and stack; wait up to EVIDENCE_WAIT_S for answers."""
+        self._refresh(run)
+        self.requests += 1
+        tag = str(self.requests)
+        stacks = run.request_stacks()  # first: answered at once, before the slower state dumps
+        asked = [rank for rank in run.live_ranks() if trace.ask(run.run_dir, rank, tag)]
+        end = time.monotonic() + EVIDENCE_WAIT_S
+        for rank, text in stacks.items():
+            self.views[rank].stack_text = text
+        while time.monotonic() < end:
+            self._refresh(run)
+            self._read_states(run, tag)
+            waiting = [r for r in asked if (self.views[r].state or {}).get("request") not in (tag, "final")
+                       and run.processes[r].exitcode is None]
+            ending = [r for r, v in self.views.items() if v.exit is not None and not v.ended]
+            if not waiting and not ending:
+                break
+            time.sleep(0.02)
+        self._refresh(run)
+        self._read_states(run, None)  # what each rank wrote last (an unasked "auto" state included)
+
+    def stacks_of(self, run: Run) -> dict[int, str]:
+        """The faulthandler stacks gathered so far, by rank."""
+        return {rank: view.stack_text for rank, view in self.views.items() if view.stack_text}
+
+    # -- deciding ---------------------------------------------------------------------------
+
+    def _stall_start(self, now: float) -> float | None:
+        """When the current stall began, if some rank has waited ``stall_s`` with no progress."""
+        last_done = max((v.last_done_t or 0.0 for v in self.views.values()), default=0.0)
+        starts = []
+        for view in self.views.values():
+            since = None if view.ended else view.waiting_since()
+            if since is not None:
+                start = max(since, last_done)
+                if now - start >= self.stall_s:
+                    starts.append(start)
+        return min(starts) if starts else None
+
+    def _finished_but_needed(self, run: Run) -> bool:
+        finished = [v for v in self.views.values() if v.ended and v.exit_code == 0 and
+                    (v.exit or {}).get("status") == "finished"]
+        for view in finished:
+            for other in self.views.values():
+                seq = None if other.ended else other.pending_seq()
+                if seq is not None and seq > view.last_seq():
+                    return True
+        return False
+
+    def _stop(self, run: Run, reason: str, now: float, stall_start: float | None) -> None:
+        self._gather(run)
+        since = stall_start if stall_start is not None else now
+        diagnosis = diagnose(self.views, run.num_processes, reason, _since(since), self.stacks_of(run))
+        diagnosis.evidence.started, diagnosis.evidence.stall_start = self.started, stall_start
+        self._conclude(run, diagnosis)
+        error = HangDetected(diagnosis.text(), self.stacks_of(run))
+        _attach(error, diagnosis)
+        raise error
+
+    def _conclude(self, run: Run, diagnosis: Diagnosis) -> None:
+        self.diagnosis = diagnosis
+        if self.keep_dir is not None:
+            keep(run.run_dir, self.keep_dir, diagnosis)
+
+
+def _since(moment: float) -> float:
+    return round(max(0.0, time.time() - moment), 3)
+
+
+def _attach(error: LaunchError, diagnosis: Diagnosis) -> None:
+    """Carry the diagnosis on the error, and say it in its traceback (a note, Python 3.11+)."""
+    error.diagnosis = diagnosis
+    note = f"doctor: {diagnosis.verdict} ({diagnosis.kind}): {diagnosis.summary}"
+    if hasattr(error, "add_note") and note not in getattr(error, "__notes__", []):
+        error.add_note(note)
+
+
+def _culprit_error(run: Run, diagnosis: Diagnosis, error: LaunchError) -> LaunchError:
+    """The failure of a culprit rank, when launch noticed another rank's failure first."""
+    if not isinstance(error, (RankError, RankExited)) or error.rank in diagnosis.ranks:
+        return error
+    for entry in diagnosis.per_rank:
+        if entry.rank in diagnosis.ranks and entry.state == "exited":
+            failure = rank_failure(run.run_dir, entry.rank, entry.exit_code)
+            if failure is not None:
+                return failure
+    return error
+
+
+def keep(run_dir: Path, keep_dir: Path, diagnosis: Diagnosis | None) -> None:
+    """Copy a run's traces, stacks and states into ``keep_dir`` (and the diagnosis as JSON)."""
+    keep_dir.mkdir(parents=True, exist_ok=True)
+    for pattern in rundir.KEPT_PATTERNS:
+        for path in Path(run_dir).glob(pattern):
+            shutil.copyfile(path, keep_dir / path.name)
+    if diagnosis is not None:
+        report.atomic_write_json(rundir.diagnosis_path(keep_dir), diagnosis)
+
+

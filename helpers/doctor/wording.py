@@ -1,0 +1,172 @@
+"""The doctor's words: each kind's fix, and the one-paragraph summary of what went wrong.
+
+Sentences only: ``helpers.doctor.diagnosis`` decides the kind and the culprits, this module says
+them (rank numbers, ops, the user's ``file:line``, what a rank outside any collective is doing).
+"""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+from typing import Any
+
+from helpers import params
+from helpers.collectives import canonical_op
+from helpers.doctor.records import Op, Position
+from helpers.doctor.source import enclosing_loop, source_line
+
+NB_REPRO, NB_EARLY_STOP, NB_MEMORY = params.NB_REPRO, params.NB_EARLY_STOP, params.NB_MEMORY
+
+FIXES = {
+    "ok": "Nothing to fix.",
+    "collective-mismatch": (
+        "Make every rank issue the same collectives in the same order: take collectives (gather, "
+        "reduce, wait_for_everyone, in_order logging) out of rank-dependent branches, and stop loops "
+        "on every rank together with accelerator.set_trigger() / accelerator.check_trigger(). "
+        f"{NB_EARLY_STOP} teaches the early-stop fix; {NB_REPRO} turns this run into a minimal repro."),
+    "shape-mismatch": (
+        "Give the collective tensors of the same shape and dtype on every rank: pad with "
+        "accelerator.pad_across_processes(...) before gather (drop the padding after), or use "
+        "gather_object for ragged data; ACCELERATE_DEBUG_MODE=1 makes accelerate check shapes first. "
+        f"{NB_REPRO} reproduces it in a few lines."),
+    "rank-missing": (
+        "Make the missing ranks reach the same collective: look at where they are (location above): "
+        "a rank-dependent branch, a loop that does not end, data loading or a wait. "
+        f"{NB_REPRO} builds a minimal repro; {NB_EARLY_STOP} shows how ranks agree to stop."),
+    "rank-exited": (
+        "Find out why the rank ended: its exit code and log (SIGKILL is often the out-of-memory killer: "
+        f"see {NB_MEMORY}; an exception: its traceback). If it finished early, make every rank run "
+        f"the same collectives to the end ({NB_EARLY_STOP})."),
+    "unknown": (
+        "No known pattern: read each rank's stack (kept with --keep DIR) and build a minimal repro with "
+        f"{NB_REPRO}."),
+}
+
+
+def shapes_text(shapes: list | None) -> str | None:
+    """Shapes as '[2, 3], [4]' (None when unknown)."""
+    if shapes is None:
+        return None
+    return ", ".join("[" + ", ".join(str(d) for d in shape) + "]" for shape in shapes) or "[]"
+
+
+def short_error(text: str | None) -> str:
+    """An exception's first sentence, without gloo's source path: 'RuntimeError: Connection closed ...'."""
+    text = re.sub(r"\[[^\]]*/[^\]]*:\d+\] ", "", text or "")
+    first = re.split(r"(?<=[.!?])\s", text, maxsplit=1)[0]
+    return first if len(first) <= 160 else first[:157] + "..."
+
+
+def issued_by(stack: list[dict[str, Any]]) -> str:
+    """Who issued a collective that no Python wrapper saw (DDP from C++, most often)."""
+    names = {(Path(f["file"]).name, f["func"]) for f in stack}
+    if any(func in ("backward", "_engine_run_backward") for _file, func in names):
+        return "issued by DDP inside backward(): the gradient all-reduce"
+    if any(file == "distributed.py" and func in ("forward", "_pre_forward") for file, func in names):
+        return "issued by DDP inside forward(): buffers or bucket order"
+    return "issued outside Python (no Python wrapper saw it)"
+
+
+def activity(rank: int, frame: dict[str, Any], stack: list[dict[str, Any]]) -> str:
+    """What a rank outside any collective is doing: 'in a loop at train.py:41', 'sleeping at ...'."""
+    innermost = stack[-1] if stack else frame
+    sleeping = innermost.get("func") == "sleep" or "time.sleep" in source_line(frame)
+    loop = enclosing_loop(frame.get("file"), frame.get("line"))
+    where = f"in a loop at {Path(frame['file']).name}:{loop}" if loop is not None else f"at {frame['where']}"
+    return f"sleeping {where}" if sleeping else where
+
+
+def _op_name(op: Op | None) -> str:
+    return canonical_op(op.op) if op else "a collective"
+
+
+def _at(pos: Position) -> str:
+    return f" at {pos.where}" if pos.where else ""
+
+
+def ranks_text(ranks: list[int]) -> str:
+    if len(ranks) == 1:
+        return f"Rank {ranks[0]}"
+    return "Ranks " + ", ".join(str(r) for r in ranks[:-1]) + f" and {ranks[-1]}"
+
+
+def divergence_summary(kind: str, key, present: dict[int, Op], culprits: list[int], positions) -> str:
+    seq = key[1]
+    if kind == "shape-mismatch":
+        op = next(iter(present.values()))
+        parts = [f"rank {r} {shapes_text(o.shapes)} {','.join(o.dtypes or [])}".strip()
+                 for r, o in sorted(present.items())]
+        site = next((o.where for o in present.values() if o.where), None)
+        where = f" at {site}" if site else ""
+        odd = (f"{ranks_text(culprits)} differ{'s' if len(culprits) == 1 else ''} from the others."
+               if len(culprits) < len(present) else "Every rank must pass the same shape and dtype.")
+        return (f"Ranks called {_op_name(op)}{where} (collective #{seq}) with different shapes or dtypes: "
+                + "; ".join(parts) + ". " + odd)
+    parts = []
+    for rank, op in sorted(present.items()):
+        where, extra = op.where, ""
+        pos = positions.get(rank)
+        if pos is not None and pos.op is not None and pos.seq == seq:  # where the rank is now
+            where = where or pos.where
+            if pos.detail and pos.op.source == "flight-recorder":
+                extra = f", {pos.detail}"
+        parts.append(f"rank {rank} in {_op_name(op)}{' at ' + where if where else ''}{extra}")
+    lead = ranks_text(culprits)
+    return (f"Ranks issued different collectives as collective #{seq}: " + "; ".join(parts)
+            + f". {lead} took a different path from the others.")
+
+
+def exited_summary(culprits: list[int], positions: dict[int, Position]) -> str:
+    sentences = []
+    needing = [p for p in positions.values() if p.state == "in-collective" or p.victim]
+    for rank in culprits:
+        pos = positions[rank]
+        if pos.state == "finished":
+            how = "finished its work"
+        elif pos.detail.startswith("raised"):
+            how = pos.detail + _at(pos)
+        else:
+            how = f"was {pos.detail}" if pos.detail.startswith("killed") else f"ended ({pos.detail})"
+            how += f" after its last collective{_at(pos)}" if pos.where else ""
+        sentences.append(f"Rank {rank} {how}")
+    text = "; ".join(sentences)
+    if needing:
+        waits = ", ".join(f"rank {p.rank} in {_op_name(p.op)}{_at(p)}" for p in needing)
+        text += f" while other ranks still needed it ({waits})"
+    return text + "."
+
+
+def missing_summary(missing: list[int], positions: dict[int, Position]) -> str:
+    waiting = [p for p in positions.values() if p.state == "in-collective" or p.victim]
+    first = waiting[0]
+    who = ", ".join(f"rank {p.rank}" for p in waiting)
+    text = (f"{ranks_text(missing)} never reached the {_op_name(first.op)} that {who} entered"
+            f"{_at(first)}")
+    if first.seq:
+        text += f" (collective #{first.seq})"
+    where = []
+    for rank in missing:
+        pos = positions[rank]
+        what = pos.detail or ("outside any collective" if not pos.where else "")
+        where.append(f"rank {rank} is {what}".rstrip()
+                     + (f" ({pos.where})" if pos.where and pos.where not in what else ""))
+    return text + "; " + "; ".join(where) + "."
+
+
+def unknown_summary(positions: dict[int, Position]) -> str:
+    parts = []
+    for pos in positions.values():
+        what = pos.state
+        if pos.op is not None:
+            what += f" {_op_name(pos.op)}"
+        if pos.where:
+            what += f" at {pos.where}"
+        if pos.detail and pos.detail != f"at {pos.where}":
+            what += f" ({pos.detail})"
+        parts.append(f"rank {pos.rank}: {what}")
+    if all(pos.state == "outside-collective" for pos in positions.values()):
+        lead = ("No rank was waiting in a collective: all were computing, or stuck outside "
+                "torch.distributed (their stacks say where). ")
+    else:
+        lead = "The run stopped without a recognisable pattern. "
+    return lead + "; ".join(parts) + "."

@@ -1,0 +1,215 @@
+"""Everything that runs inside a rank: forked by ``launch`` or exec'd by ``launch_command``/torchrun.
+
+Before any user code, a rank resets SIGINT/SIGTERM to their defaults, dies with its launcher
+(PR_SET_PDEATHSIG, ``helpers.procs``), registers faulthandler on ``STACK_SIGNAL`` (the signal is
+blocked across the fork, and across the exec for command ranks, so an early request waits instead
+of killing), and installs the hang doctor's tracer when a watcher wants it. When the work ends it
+writes its ``RankOutcome`` into the run folder (``helpers.rundir``).
+
+Command ranks start as ``python -m helpers.launch script.py [args]`` (untraced) or
+``python -m helpers.trace script.py [args]`` (traced; also what torchrun users run): both call
+``run_command_rank``.
+"""
+
+from __future__ import annotations
+
+import datetime
+import faulthandler
+import os
+import signal
+import sys
+import tempfile
+import traceback
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import IO, Any, NoReturn
+
+from helpers import procs, rundir, trace
+
+STACK_SIGNAL = signal.SIGUSR1
+PG_TIMEOUT_MARGIN_S = 30.0  # ranks' process-group timeout past the launcher's deadline
+
+
+@dataclass
+class RankSpec:
+    """What one rank needs to know about its run."""
+
+    rank: int
+    num_processes: int
+    port: int
+    run_dir: Path
+    parent_pid: int
+    init_group: bool
+    backend: str
+    timeout_s: float
+    env: dict[str, str]
+    trace: bool = False
+
+
+def install_stack_dump(path: Path, all_threads: bool = True) -> IO[str]:
+    """faulthandler on STACK_SIGNAL, chaining to a handler already installed (never to SIG_DFL).
+
+    ``all_threads=False`` for traced ranks: their helper thread dumps every thread itself, and the
+    signal is only the fallback when it does not answer; walking the other threads from the signal
+    handler could segfault while that helper runs Python (cpython#116008).
+    """
+    handle = open(path, "a", buffering=1)  # noqa: SIM115 - kept open for the rank's lifetime
+    previous = signal.getsignal(STACK_SIGNAL)
+    chain = callable(previous)
+    faulthandler.register(STACK_SIGNAL, file=handle, all_threads=all_threads, chain=chain)
+    faulthandler.enable(file=handle, all_threads=True)  # SIGSEGV, SIGABRT...: the stack, then death
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, {STACK_SIGNAL})
+    return handle
+
+
+def rank_environment(spec: RankSpec) -> dict[str, str]:
+    """The variables torchrun would give this rank, plus its TMPDIR inside the run folder."""
+    env = {
+        "RANK": str(spec.rank),
+        "LOCAL_RANK": str(spec.rank),
+        "GROUP_RANK": "0",
+        "WORLD_SIZE": str(spec.num_processes),
+        "LOCAL_WORLD_SIZE": str(spec.num_processes),
+        "MASTER_ADDR": "127.0.0.1",
+        "MASTER_PORT": str(spec.port),
+        "TMPDIR": str(rundir.tmp_dir(spec.run_dir)),
+    }
+    if spec.backend == "gloo":
+        env["ACCELERATE_USE_CPU"] = "true"
+    env.setdefault("OMP_NUM_THREADS", os.environ.get("OMP_NUM_THREADS", "1"))
+    env.update(spec.env)
+    return env
+
+
+def _reset_accelerate_state() -> None:
+    """Forget accelerate state inherited from the caller, so ``Accelerator()`` starts fresh."""
+    state = sys.modules.get("accelerate.state")
+    if state is None:
+        return
+    state.AcceleratorState._reset_state(True)
+    state.GradientState._reset_state()
+
+
+def _init_group(spec: RankSpec) -> None:
+    import torch
+    import torch.distributed as dist
+
+    if spec.backend == "nccl":
+        torch.cuda.set_device(spec.rank)
+    dist.init_process_group(
+        backend=spec.backend,
+        rank=spec.rank,
+        world_size=spec.num_processes,
+        # past the launcher's deadline, so the launcher stops a hang (with stacks) first
+        timeout=datetime.timedelta(seconds=spec.timeout_s + PG_TIMEOUT_MARGIN_S),
+    )
+    world, rank = dist.get_world_size(), dist.get_rank()
+    if (world, rank) != (spec.num_processes, spec.rank):
+        raise RuntimeError(f"process group mismatch: expected rank {spec.rank} of "
+                           f"{spec.num_processes}, torch.distributed says rank {rank} of {world}")
+
+
+def rank_main(spec: RankSpec, fn: Callable[..., Any], args: tuple, kwargs: dict) -> None:
+    """The body of a forked rank: set up, run ``fn``, write how it ended."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    procs.set_parent_death_signal(spec.parent_pid)
+    rundir.pid_marker(spec.run_dir, os.getpid()).touch()
+    stack_handle = install_stack_dump(rundir.stack_path(spec.run_dir, spec.rank), not spec.trace)
+    os.environ.update(rank_environment(spec))
+    rundir.tmp_dir(spec.run_dir).mkdir(exist_ok=True)
+    tempfile.tempdir = str(rundir.tmp_dir(spec.run_dir))
+    _reset_accelerate_state()
+    if "torch" in sys.modules:
+        sys.modules["torch"].set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
+    if spec.trace:  # the hang doctor's tracer, installed before any user code
+        trace.install(spec.run_dir, spec.rank)
+    try:
+        if spec.init_group:
+            _init_group(spec)
+        outcome = rundir.RankOutcome(True, fn(*args, **kwargs))
+        if spec.trace:
+            trace.finish("finished")
+    except BaseException as exc:  # noqa: BLE001 - everything goes back to the caller
+        outcome = rundir.RankOutcome.failure(exc, traceback.format_exc())
+        if spec.trace:
+            trace.finish("raised", exc)
+    outcome.write(rundir.result_path(spec.run_dir, spec.rank))
+    _destroy_group()
+    stack_handle.close()
+
+
+def _destroy_group() -> None:
+    dist = sys.modules.get("torch.distributed")
+    if dist is not None and dist.is_available() and dist.is_initialized():
+        try:
+            dist.destroy_process_group()
+        except Exception:  # noqa: BLE001 - the rank is ending anyway
+            pass
+
+
+def run_command_rank(argv: list[str], traced: bool) -> NoReturn:
+    """Run ``script.py args`` (or ``-m module args``) as ``__main__`` inside a command rank.
+
+    Reads the run folder and rank from the environment (``launch_command`` sets it; under torchrun
+    ``HELPERS_TRACE_DIR`` and RANK), installs stack dumps (and the tracer when ``traced``), runs the
+    script, records how it ended and ends the process with the script's exit code (an exception
+    propagates as usual, after it was recorded).
+    """
+    run_dir = Path(os.environ[rundir.ENV_DIR])
+    rank = int(os.environ.get(rundir.ENV_RANK) or os.environ.get("RANK", "0"))
+    stack_handle = install_stack_dump(rundir.stack_path(run_dir, rank), all_threads=not traced)
+    if os.environ.get(rundir.ENV_PARENT):  # under helpers.launch
+        procs.set_parent_death_signal(int(os.environ[rundir.ENV_PARENT]))
+    else:  # under torchrun, which stops ranks with SIGTERM: leave their stacks for a post-mortem
+        # only the thread the signal interrupts (the main one): walking the others' stacks from a
+        # signal handler can segfault while the helper thread runs Python (see trace.dump_stacks)
+        faulthandler.register(signal.SIGTERM, file=stack_handle, all_threads=False, chain=True)
+    if traced:
+        trace.install(run_dir, rank)
+    code = _run_as_main(argv, run_dir, rank)
+    stack_handle.flush()
+    # Recorded: end now, before interpreter teardown, where torch 2.13's gloo aborts in about 1 run
+    # in 10 after gather_for_metrics ("terminate called without an active exception") and would
+    # turn a finished rank into a crash.
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
+
+
+def _run_as_main(argv: list[str], run_dir: Path, rank: int) -> int:
+    """Run the script or module as ``__main__``; record how it ended; return its exit code."""
+    import runpy
+
+    module = argv[0] == "-m"
+    target = argv[1] if module else argv[0]
+    sys.argv = argv[1:] if module else list(argv)
+    if not module:
+        sys.path[0] = os.path.dirname(os.path.abspath(target))
+    code = 0
+    try:
+        if module:
+            runpy.run_module(target, run_name="__main__", alter_sys=True)
+        else:
+            runpy.run_path(target, run_name="__main__")
+        trace.finish("finished")
+    except SystemExit as exc:
+        code = _exit_code(exc.code)
+        trace.finish("finished" if code == 0 else "exited")
+    except BaseException as exc:
+        trace.finish("raised", exc)
+        rundir.RankOutcome.failure(exc, traceback.format_exc()).write(rundir.result_path(run_dir, rank))
+        raise
+    if code == 0:
+        rundir.RankOutcome(True, 0).write(rundir.result_path(run_dir, rank))
+    return code
+
+
+def _exit_code(code: Any) -> int:
+    if code is None:
+        return 0
+    if isinstance(code, int):
+        return code
+    print(code, file=sys.stderr)
+    return 1

@@ -1,0 +1,133 @@
+"""Process-tree lifetime: children die with their parent, and a tree is stopped whole.
+
+Used by every place that starts processes: ``helpers.launch`` (forked and exec'd ranks), the repro
+builder's runs, and torchrun runs under the doctor. torchrun starts its workers in sessions of
+their own (``start_new_session=True``), so stopping torchrun alone can leave them running: the
+tree is walked (psutil) and every member stopped, SIGTERM first, SIGKILL after ``KILL_GRACE_S``.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import signal
+import socket
+import subprocess
+import tempfile
+import time
+from collections.abc import Callable, Iterable
+from pathlib import Path
+from typing import Any
+
+KILL_GRACE_S = 2.0
+_PR_SET_PDEATHSIG = 1
+
+
+def set_parent_death_signal(parent_pid: int) -> None:
+    """Die (SIGKILL) with the parent, Linux's PR_SET_PDEATHSIG. If the parent already died, die now.
+
+    Call it in the child: a forked rank, or a started program that knows its parent's pid.
+    """
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(_PR_SET_PDEATHSIG, int(signal.SIGKILL), 0, 0, 0)
+    except (OSError, AttributeError):
+        return
+    if os.getppid() != parent_pid:
+        os._exit(1)
+
+
+def death_signal_preexec() -> Callable[[], Any] | None:
+    """A ``preexec_fn`` for ``subprocess.Popen`` that makes the child die with the caller.
+
+    Prepared in the caller: between fork and exec the child only makes one ctypes call (no import,
+    no lock), which keeps it safe when the caller has threads. None where prctl is not available.
+    """
+    try:
+        prctl = ctypes.CDLL(None, use_errno=True).prctl
+    except (OSError, AttributeError):
+        return None
+    return lambda: prctl(_PR_SET_PDEATHSIG, int(signal.SIGKILL), 0, 0, 0)
+
+
+def send_signal(pid: int, sig: int) -> None:
+    """``os.kill`` that ignores a process that is already gone."""
+    try:
+        os.kill(pid, sig)
+    except ProcessLookupError:
+        pass
+
+
+def tree_of(pids: Iterable[int]) -> list[Any]:
+    """The processes ``pids`` and all their descendants (psutil objects), this process excluded."""
+    import psutil
+
+    members: list[psutil.Process] = []
+    for pid in pids:
+        try:
+            parent = psutil.Process(pid)
+            members += [parent, *parent.children(recursive=True)]
+        except psutil.NoSuchProcess:
+            pass
+    return [member for member in members if member.pid != os.getpid()]
+
+
+def stop_processes(victims: list[Any], grace_s: float = KILL_GRACE_S) -> None:
+    """SIGTERM every process in ``victims``, SIGKILL those still alive after ``grace_s``; wait."""
+    import psutil
+
+    for victim in victims:
+        _quietly(victim.terminate)
+    _, alive = psutil.wait_procs(victims, timeout=grace_s)
+    for victim in alive:
+        _quietly(victim.kill)
+    psutil.wait_procs(alive, timeout=grace_s)
+
+
+def stop_tree(proc: subprocess.Popen, grace_s: float = KILL_GRACE_S) -> None:
+    """Stop ``proc`` and all its descendants (see ``stop_processes``), then reap ``proc``."""
+    stop_processes(tree_of([proc.pid]), grace_s)
+    try:
+        proc.wait(timeout=grace_s)
+    except subprocess.TimeoutExpired:
+        pass
+
+
+def _quietly(action: Callable[[], Any]) -> None:
+    import psutil
+
+    try:
+        action()
+    except psutil.NoSuchProcess:
+        pass
+
+
+def run_process(argv: list[str], timeout_s: float, env: dict[str, str] | None = None,
+                cwd: str | Path | None = None) -> tuple[int | None, str, float]:
+    """Run ``argv``; return (exit code, or None past the deadline; its output; seconds).
+
+    The child dies with the caller (PR_SET_PDEATHSIG). Past ``timeout_s``, or on KeyboardInterrupt
+    (re-raised), the child and every descendant are stopped (``stop_tree``).
+    """
+    started = time.monotonic()
+    with tempfile.TemporaryFile() as sink:
+        proc = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=sink, stderr=subprocess.STDOUT,
+                                env=env, cwd=cwd, preexec_fn=death_signal_preexec())
+        code: int | None = None
+        try:
+            code = proc.wait(timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            pass
+        finally:
+            if code is None:  # still running (deadline, Ctrl-C): never after a wait reaped it
+                stop_tree(proc)
+        sink.seek(0)
+        output = sink.read().decode("utf-8", errors="replace")
+    return code, output, round(time.monotonic() - started, 3)
+
+
+def free_port() -> int:
+    """A TCP port free on loopback now (so two notebooks never collide on 29500)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]

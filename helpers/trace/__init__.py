@@ -1,0 +1,99 @@
+"""Per-rank record of every torch.distributed operation a rank issues, for the hang doctor.
+
+``install(run_dir, rank)`` runs inside a rank before user code. It
+
+- wraps the Python-level operations of ``torch.distributed`` (all_reduce ... recv, the ``*_object``
+  ones and the deprecated aliases; the outermost call is recorded once) so that each call appends
+  to ``trace-<rank>.jsonl``: the op, the process group and torch's sequence number in it, the input
+  shapes and dtypes, the user's call site, start and end times, and whether it completed or raised;
+- turns on torch's Flight Recorder (``TORCH_FR_BUFFER_SIZE``), which also records collectives
+  issued from C++ (DDP's broadcasts in ``forward()`` and its gradient all-reduce in ``backward()``,
+  which never pass through Python), and starts a helper thread that
+  * notes the process groups' progress (last collective enqueued and completed) every ``POLL_S``;
+  * on request (a line written to the FIFO ``ctl-<rank>``) writes ``state-<rank>.json``: the main
+    thread's Python stack and the Flight Recorder's latest entries.
+
+Records are appended with one ``os.write`` each, so they survive the rank being killed.
+The call site is the first frame outside torch, accelerate, helpers and the standard library;
+``__main__`` (the script being run) and ``helpers.scenarios`` are user code; a function defined in
+a notebook cell shows as ``Cell In[n], line m``.
+
+``python -m helpers.trace script.py [args]`` runs a script as one traced rank: under
+``helpers.launch``'s ``launch_command`` or under torchrun (``HELPERS_TRACE_DIR`` names the folder).
+The in-rank bootstrap that does it lives in ``helpers.launch.rank``; this package is a leaf
+(standard library, torch, ``helpers.rundir``, ``helpers.collectives``, ``helpers.sites``).
+
+Modules: ``callsites`` (the user's line), ``tracer`` (the wrappers and records), ``helper`` (the
+helper thread, Flight Recorder, state dumps).
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from pathlib import Path
+from typing import Any
+
+from helpers.trace import tracer as _tracing
+from helpers.trace.callsites import describe_stack, is_user_frame, label, traceback_site, user_frame
+from helpers.trace.helper import (
+    FR_TAIL,
+    POLL_S,
+    STACKS_REQUEST,
+    Helper,
+    ask,
+    dump_stacks,
+    flight_recorder,
+    flight_recorder_tail,
+    group_progress,
+    write_state,
+)
+from helpers.trace.tracer import Tracer
+
+__all__ = ["FR_BUFFER_SIZE", "FR_TAIL", "POLL_S", "STACKS_REQUEST", "Tracer", "ask", "describe_stack",
+           "dump_stacks", "finish", "flight_recorder", "flight_recorder_tail", "group_progress",
+           "install", "is_user_frame", "label", "traceback_site", "user_frame", "write_state"]
+
+FR_BUFFER_SIZE = "256"  # Flight Recorder entries kept per rank (unless the user set a size)
+
+
+def install(run_dir: str | Path, rank: int) -> Tracer:
+    """Trace this rank's torch.distributed calls into ``run_dir``; call before user code runs.
+
+    Also turns on torch's Flight Recorder (unless the user chose a buffer size) and starts the
+    helper thread. Safe to call once per process; returns the tracer.
+    """
+    if _tracing.current is not None:
+        return _tracing.current
+    os.environ.setdefault("TORCH_FR_BUFFER_SIZE", os.environ.get("TORCH_NCCL_TRACE_BUFFER_SIZE",
+                                                                  FR_BUFFER_SIZE))
+    tracer = Tracer(Path(run_dir), rank)
+    tracer.patch()
+    tracer.write({"ev": "hello", "rank": rank, "pid": os.getpid(), "t": time.time()})
+    tracer.helper = Helper(tracer)
+    tracer.helper.start()
+    _tracing.current = tracer
+    return tracer
+
+
+def finish(status: str, error: BaseException | None = None) -> None:
+    """Write the rank's last records: how it ended, its final progress and Flight Recorder tail.
+
+    ``status`` is "finished" (the work ended normally) or "raised" (``error`` escaped it).
+    """
+    tracer = _tracing.current
+    if tracer is None:
+        return
+    record: dict[str, Any] = {"ev": "exit", "status": status, "t": time.time(), "pg": group_progress()}
+    if error is not None:
+        record["error"] = f"{type(error).__name__}: {error}"[:800]
+        site = traceback_site(error.__traceback__)
+        if site:
+            record.update(site)
+    tracer.write(record)  # first: a launcher may stop this process any moment now
+    if tracer.helper is not None:
+        tracer.helper.stop()
+    write_state(tracer, "final")
+    tracer.unpatch()
+    os.close(tracer.fd)
+    _tracing.current = None

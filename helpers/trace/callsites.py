@@ -1,0 +1,90 @@
+"""Call sites: the user's line of a frame, and how a notebook cell or a file is named.
+
+The call site of an operation is the innermost frame of the user's code (``helpers.sites``: not
+torch, accelerate, helpers or the standard library; ``__main__`` and ``helpers.scenarios`` are the
+user's). A function defined in a notebook cell shows as ``Cell In[n], line m``, as IPython names it.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from typing import Any
+
+from helpers.sites import is_user_code
+
+_user_file: dict[str, bool] = {}
+_labels: dict[str, str] = {}
+
+
+def is_user_frame(frame: Any) -> bool:
+    """Is ``frame`` the user's code (cached per file; the module name decides, see helpers.sites)?"""
+    filename = frame.f_code.co_filename
+    known = _user_file.get(filename)
+    if known is None:
+        known = is_user_code(filename, frame.f_globals.get("__name__") or "")
+        _user_file[filename] = known
+    return known
+
+
+def label(filename: str, line: int) -> str:
+    """``train.py:57``, or ``Cell In[5], line 3`` for code typed in a notebook cell."""
+    prefix = _labels.get(filename)
+    if prefix is None:
+        prefix = _cell_name(filename) or os.path.basename(filename) + ":"
+        _labels[filename] = prefix
+    return f"{prefix}{line}"
+
+
+def _cell_name(filename: str) -> str | None:
+    ipython = sys.modules.get("IPython")
+    shell = ipython.get_ipython() if ipython is not None and hasattr(ipython, "get_ipython") else None
+    compiler = getattr(shell, "compile", None)
+    if compiler is None or not hasattr(compiler, "format_code_name"):
+        return None
+    named = compiler.format_code_name(filename)
+    return f"{named[0]} {named[1]}, line " if named else None
+
+
+_sites: dict[tuple[Any, int], str] = {}
+
+
+def site_json(code: Any, line: int) -> str:
+    """``,"file":...,"line":...,"func":...,"where":...`` for a call site (cached per code and line)."""
+    site = _sites.get((code, line))
+    if site is None:
+        site = (f',"file":{json.dumps(code.co_filename)},"line":{line},"func":{json.dumps(code.co_name)},'
+                f'"where":{json.dumps(label(code.co_filename, line))}')
+        _sites[(code, line)] = site
+    return site
+
+
+def user_frame(frame: Any) -> Any:
+    """The innermost user frame at or above ``frame`` (None when every frame is library code)."""
+    while frame is not None and not is_user_frame(frame):
+        frame = frame.f_back
+    return frame
+
+
+def describe_stack(frame: Any) -> list[dict[str, Any]]:
+    """A thread's stack as dicts (outermost first): file, line, function, user code or not."""
+    frames = []
+    while frame is not None:
+        code = frame.f_code
+        frames.append({"file": code.co_filename, "line": frame.f_lineno, "func": code.co_name,
+                       "user": is_user_frame(frame), "where": label(code.co_filename, frame.f_lineno)})
+        frame = frame.f_back
+    return frames[::-1]
+
+
+def traceback_site(tb: Any) -> dict[str, Any] | None:
+    """The innermost user frame of a traceback, as a dict (None when there is none)."""
+    site = None
+    while tb is not None:
+        if is_user_frame(tb.tb_frame):
+            code = tb.tb_frame.f_code
+            site = {"file": code.co_filename, "line": tb.tb_lineno, "func": code.co_name,
+                    "where": label(code.co_filename, tb.tb_lineno)}
+        tb = tb.tb_next
+    return site

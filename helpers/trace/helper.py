@@ -1,0 +1,178 @@
+"""A traced rank's helper thread: progress notes, and state dumps and stacks on request.
+
+It notes the process groups' progress (torch's Flight Recorder: last collective enqueued and
+completed) every ``POLL_S``; on a request line written to the FIFO ``ctl-<rank>`` it writes
+``state-<rank>.json`` (the main thread's Python stack and the Flight Recorder's latest entries),
+or, for ``STACKS_REQUEST``, appends every thread's stack to ``stack-<rank>.txt`` holding the GIL.
+The Flight Recorder also records collectives issued from C++ (DDP's broadcasts in ``forward()``
+and its gradient all-reduce in ``backward()``), which no Python wrapper sees.
+"""
+
+from __future__ import annotations
+
+import faulthandler
+import json
+import os
+import select
+import sys
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+from helpers import rundir
+from helpers.trace.callsites import describe_stack
+
+POLL_S = 0.2  # how often the helper thread notes the process groups' progress
+STACKS_REQUEST = "stacks"  # the request line for every thread's stack (others ask for a state)
+AUTO_STATE_S = 1.0  # stuck this long in one collective: write the state once, unasked
+FR_TAIL = 64  # entries written to state-<rank>.json
+
+
+def ask(run_dir: str | Path, rank: int, request: str) -> bool:
+    """Send a request line to the rank's helper thread; False when the rank is not listening.
+
+    ``STACKS_REQUEST`` asks for every thread's stack; any other line for a state dump tagged with it.
+    """
+    try:
+        fd = os.open(rundir.control_path(run_dir, rank), os.O_WRONLY | os.O_NONBLOCK)
+    except OSError:
+        return False
+    try:
+        os.write(fd, f"{request}\n".encode())
+        return True
+    except OSError:
+        return False
+    finally:
+        os.close(fd)
+
+
+def flight_recorder(include_entries: bool) -> dict[str, Any] | None:
+    """torch's Flight Recorder for every process group in this process (None when unavailable)."""
+    try:
+        import torch
+
+        dump = torch._C._distributed_c10d._dump_fr_trace_json
+        return json.loads(dump(include_entries, False))
+    except Exception:  # noqa: BLE001 - older torch, or no process group: Python records only
+        return None
+
+
+def group_progress() -> dict[str, list[int]]:
+    """Per process group: [last collective enqueued, last completed] (torch's sequence numbers)."""
+    dump = flight_recorder(False) or {}
+    progress = {}
+    for name, status in (dump.get("pg_status") or {}).items():
+        try:
+            progress[name] = [int(status["last_enqueued_collective"]),
+                              int(status["last_completed_collective"])]
+        except (KeyError, ValueError):
+            continue
+    return progress
+
+
+_FR_FIELDS = ("record_id", "collective_seq_id", "p2p_seq_id", "is_p2p", "profiling_name",
+              "input_sizes", "input_dtypes", "output_sizes", "state", "retired", "time_created_ns")
+
+
+def flight_recorder_tail(limit: int = FR_TAIL) -> list[dict[str, Any]]:
+    """The latest Flight Recorder entries, trimmed to what the doctor reads."""
+    dump = flight_recorder(True) or {}
+    tail = []
+    for entry in (dump.get("entries") or [])[-limit:]:
+        item = {key: entry.get(key) for key in _FR_FIELDS}
+        group = entry.get("process_group") or ["?"]
+        item["pg"] = str(group[0])
+        tail.append(item)
+    return tail
+
+
+class Helper(threading.Thread):
+    """The helper thread of one traced rank (a daemon; ``stop()`` ends it)."""
+
+    def __init__(self, tracer: Any):
+        super().__init__(name="helpers-trace", daemon=True)
+        self.tracer = tracer
+        self.stopping = threading.Event()
+        self.wake_read, self.wake_write = os.pipe()  # stop() wakes the select at once
+        self.fifo: int | None = None
+        path = rundir.control_path(tracer.run_dir, tracer.rank)
+        if path.exists():
+            # read-write, so that the FIFO never reports end-of-file while nobody writes
+            self.fifo = os.open(path, os.O_RDWR | os.O_NONBLOCK)
+
+    def run(self) -> None:
+        last: dict[str, list[int]] = {}
+        pending = b""
+        motion: tuple = ()
+        still_since, written = time.time(), False
+        while not self.stopping.is_set():
+            watched = [self.wake_read] + ([self.fifo] if self.fifo is not None else [])
+            ready = [fd for fd in select.select(watched, [], [], POLL_S)[0] if fd == self.fifo]
+            if self.stopping.is_set():
+                break
+            progress = group_progress()
+            if progress and progress != last:
+                self.tracer.write({"ev": "pg", "t": time.time(), "pg": progress})
+                last = progress
+            if ready:
+                pending += _read_available(self.fifo)
+                *requests, pending = pending.split(b"\n")
+                self._answer([request.decode(errors="replace") for request in requests])
+            now = (progress, self.tracer.calls)
+            if now != motion:
+                motion, still_since, written = now, time.time(), False
+            elif not written and time.time() - still_since >= AUTO_STATE_S and self._waiting(progress):
+                write_state(self.tracer, "auto")  # for a post-mortem if nobody asks in time
+                written = True
+
+    def _answer(self, requests: list[str]) -> None:
+        if STACKS_REQUEST in requests:
+            dump_stacks(self.tracer)
+        states = [request for request in requests if request != STACKS_REQUEST]
+        if states:
+            write_state(self.tracer, states[-1])  # only the latest matters
+
+    def _waiting(self, progress: dict[str, list[int]]) -> bool:
+        return self.tracer.open_sync > 0 or any(enq > done for enq, done in progress.values())
+
+    def stop(self) -> None:
+        self.stopping.set()
+        os.write(self.wake_write, b"x")
+        self.join(timeout=2 * POLL_S + 1)
+        for fd in (self.fifo, self.wake_read, self.wake_write):
+            if fd is not None:
+                os.close(fd)
+        self.fifo = None
+
+
+def _read_available(fd: int) -> bytes:
+    try:
+        return os.read(fd, 4096)
+    except BlockingIOError:
+        return b""
+
+
+def dump_stacks(tracer: Any) -> None:
+    """Append every thread's Python stack to stack-<rank>.txt, from this thread, holding the GIL.
+
+    faulthandler run from a signal handler reads the other threads' frames without the GIL and can
+    crash the process (SIGSEGV) when one of them runs Python meanwhile (cpython#116008), as this
+    helper thread often does; here every other thread is paused outside Python code.
+    """
+    with open(rundir.stack_path(tracer.run_dir, tracer.rank), "a") as handle:
+        faulthandler.dump_traceback(file=handle, all_threads=True)
+
+
+def write_state(tracer: Any, request: str, extra: dict[str, Any] | None = None) -> None:
+    """Write state-<rank>.json: main thread's stack, Flight Recorder tail, group progress."""
+    main = threading.main_thread()
+    frame = sys._current_frames().get(main.ident) if main.ident is not None else None
+    state = {"request": request, "rank": tracer.rank, "t": time.time(),
+             "stack": describe_stack(frame) if frame is not None else [],
+             "progress": group_progress(), "fr": flight_recorder_tail()}
+    state.update(extra or {})
+    path = rundir.state_path(tracer.run_dir, tracer.rank)
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(json.dumps(state, default=str))
+    os.replace(tmp, path)
