@@ -536,7 +536,7 @@ def write_report(run: ReproRun, fixed: ReproRun | Note | None = None, out_dir: s
     The environment comes from the audit (``helpers.audit_facts``), anonymised; every secret,
     home folder, user and host name is replaced in the whole text.
     """
-    from helpers.audit_facts import collect_facts
+    from helpers.audit import collect_facts
 
     folder = _out_folder(out_dir) if out_dir else Path(run.script).parent
     facts = facts if facts is not None else collect_facts(anonymize=True)
@@ -576,7 +576,7 @@ def _line_count(path: Path) -> int:
 
 def report_markdown(run: ReproRun, fixed: ReproRun | Note | None, facts: dict[str, Any], summary: str) -> str:
     """report.md's text (before redaction)."""
-    from helpers.audit_render import summary_rows
+    from helpers.audit import summary_rows
 
     script = Path(run.script)
     rows = [row for row in summary_rows(facts)

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from helpers import audit
-from helpers.audit_diff import diff_reports
+from helpers.audit.diff import diff_reports
 
 FIXTURES = Path(__file__).parent / "fixtures" / "audit"
 sys.path.insert(0, str(FIXTURES))

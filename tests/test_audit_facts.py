@@ -13,8 +13,9 @@ from pathlib import Path
 import pynvml
 import pytest
 
-from helpers import audit, audit_facts, cuda_watch
-from helpers.audit_rules import evaluate
+from helpers import audit, cuda_watch
+from helpers.audit import facts as audit_facts
+from helpers.audit.rules import evaluate
 
 sys.path.insert(0, str(Path(__file__).parent / "fixtures" / "audit"))
 import fake_nvml  # noqa: E402

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from helpers.audit_rules import CODES, RULES, evaluate, visible_devices
+from helpers.audit.rules import CODES, RULES, evaluate, visible_devices
 
 FIXTURES = Path(__file__).parent / "fixtures" / "audit"
 HEALTHY = json.loads((FIXTURES / "healthy_8gpu.json").read_text())

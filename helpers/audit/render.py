@@ -10,7 +10,7 @@ import json
 from typing import Any
 
 from helpers import report
-from helpers.audit_rules import get
+from helpers.audit.rules import get
 
 SEVERITY_COLORS = {"error": "#f8d0d0", "warning": "#fbe9c0", "info": "#dde9f7"}
 STYLE = """

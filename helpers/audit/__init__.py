@@ -1,9 +1,9 @@
 """The environment audit: facts about a machine, findings with fixes, reports, diffs and fleets.
 
 Today people paste ``accelerate env`` and ``python -m torch.utils.collect_env`` into chat and
-compare them by eye. The audit collects the facts (``helpers.audit_facts``), judges them with
-rules (``helpers.audit_rules``), redacts secrets (``helpers.redact``), writes a JSON and a
-self-contained HTML report, compares machines (``helpers.audit_diff``) and gathers a whole fleet
+compare them by eye. The audit collects the facts (``helpers.audit.facts``), judges them with
+rules (``helpers.audit.rules``), redacts secrets (``helpers.redact``), writes a JSON and a
+self-contained HTML report, compares machines (``helpers.audit.diff``) and gathers a whole fleet
 under torchrun (``python -m helpers.audit --fleet --json PATH``).
 
 Command line: ``python -m helpers audit | facts | diff`` (see ``cli_audit``, ``cli_facts``,
@@ -23,13 +23,14 @@ from pathlib import Path
 from typing import Any
 
 from helpers import cli, params, redact, report
-from helpers.audit_diff import DiffResult, Machine, diff_machines, diff_reports, load_machine
-from helpers.audit_facts import Facts, collect_facts, utc_now
-from helpers.audit_rules import CODES, SEVERITIES, Finding, evaluate, rule_cuda_initialized
+from helpers.audit.diff import DiffResult, Machine, diff_machines, diff_reports, load_machine
+from helpers.audit.facts import Facts, collect_facts, utc_now
+from helpers.audit.render import summary_rows
+from helpers.audit.rules import CODES, SEVERITIES, Finding, evaluate, rule_cuda_initialized
 
 __all__ = ["AuditReport", "AuditRun", "DiffResult", "Facts", "Finding", "FleetReport", "CODES",
            "check_before_launch", "check_config", "collect_facts", "compare", "diff_reports",
-           "judge", "run_audit", "run_fleet", "topology", "write_report"]
+           "judge", "run_audit", "run_fleet", "summary_rows", "topology", "write_report"]
 
 EXIT_OK, EXIT_PROBLEM, EXIT_USAGE = 0, 1, 2
 REPORT_NAME = "audit"
@@ -78,13 +79,13 @@ class AuditReport(report.ResultMixin):
         return "\n".join(lines)
 
     def _repr_html_(self) -> str:
-        from helpers.audit_render import report_html
+        from helpers.audit.render import report_html
 
         return report_html(self)
 
     def html(self) -> str:
         """The self-contained HTML page."""
-        from helpers.audit_render import report_document
+        from helpers.audit.render import report_document
 
         return report_document(self)
 
@@ -124,7 +125,7 @@ class Topology(report.ResultMixin):
     gpu_count: int
 
     def _repr_html_(self) -> str:
-        from helpers.audit_render import topology_html
+        from helpers.audit.render import topology_html
 
         return topology_html({"topology": self.topology, "gpus": [{}] * self.gpu_count})
 
@@ -139,7 +140,7 @@ class AuditRun(report.ResultMixin):
     min_severity: str = "info"
 
     def _repr_html_(self) -> str:
-        from helpers.audit_render import facts_html, findings_html
+        from helpers.audit.render import facts_html, findings_html
 
         counts = self.report.counts()
         parts = [f"<p><b>{counts['error']} error(s), {counts['warning']} warning(s), "
@@ -161,13 +162,13 @@ class FleetReport(report.ResultMixin):
     collected_at: str = field(default_factory=lambda: utc_now())
 
     def _repr_html_(self) -> str:
-        from helpers.audit_render import diff_html
+        from helpers.audit.render import diff_html
 
         return f"<p>{len(self.nodes)} node(s)</p>" + diff_html(self.diff)
 
     def html(self) -> str:
         """The self-contained HTML page."""
-        from helpers.audit_render import fleet_document
+        from helpers.audit.render import fleet_document
 
         return fleet_document(self)
 
@@ -187,7 +188,7 @@ def check_before_launch() -> list[Finding]:
     Call it right before forking ranks (notebook_launcher, helpers.launch): a non-empty list
     means the launch will fail. Uses helpers.launch's record of where CUDA was initialised.
     """
-    from helpers.audit_facts import cuda_state_here
+    from helpers.audit.facts import cuda_state_here
 
     return rule_cuda_initialized({"torch": cuda_state_here()})
 
@@ -443,7 +444,7 @@ def cli_diff(argv: list[str]) -> int:
     if args.json:
         diff.to_json(params.resolve_path(args.json))
     if args.html:
-        from helpers.audit_render import STYLE
+        from helpers.audit.render import STYLE
 
         page = f"<!DOCTYPE html><html><head><meta charset='utf-8'><style>{STYLE}</style></head>" \
                f"<body><h1>Differences</h1>{diff._repr_html_()}</body></html>\n"
@@ -474,6 +475,3 @@ def main(argv: list[str] | None = None) -> int:
                             "WORLD_SIZE are not set)")
     return run_fleet(args.json, args.html, args.anonymize, args.strict)
 
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -586,7 +586,7 @@ def rule_torch_probe(facts: dict[str, Any]) -> list[Finding]:
         "TORCH_PROBE_FAILED", "error", "Importing torch (and asking CUDA) failed in a fresh process",
         error, "Run `python -c 'import torch; print(torch.cuda.is_available())'` to see the full "
         "error; reinstall torch for this Python, or look for a hung driver (nvidia-smi).",
-        "helpers.audit_facts TORCH_PROBE")]
+        "helpers.audit.facts TORCH_PROBE")]
 
 
 def rule_hostname(facts: dict[str, Any]) -> list[Finding]:
@@ -624,5 +624,5 @@ def evaluate(facts: dict[str, Any]) -> list[Finding]:
         except Exception as exc:  # noqa: BLE001 - odd facts from another machine never crash
             findings.append(Finding("AUDIT_RULE_FAILED", "warning", f"{rule.__name__} failed",
                                     f"{type(exc).__name__}: {exc}", "Report this facts file as a "
-                                    "bug of helpers.audit.", "helpers.audit_rules"))
+                                    "bug of helpers.audit.", "helpers.audit.rules"))
     return sorted(findings, key=lambda f: (SEVERITIES.index(f.severity), f.code, f.title))

@@ -100,7 +100,7 @@ class Facts(dict):
                 f"torch {torch.get('version')}, {len(self.get('env') or {})} variables)")
 
     def _repr_html_(self) -> str:
-        from helpers.audit_render import facts_html
+        from helpers.audit.render import facts_html
 
         return facts_html(self)
 
