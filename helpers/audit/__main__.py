@@ -5,7 +5,7 @@ An entry point only, so that the library is never loaded twice (once as ``__main
 
 import sys
 
-from helpers.audit import main
+from helpers.audit.cli import main
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -27,7 +27,8 @@ import time
 from pathlib import Path
 from typing import Any
 
-from helpers import redact
+from helpers import cuda_watch, redact
+from helpers.audit import render
 
 SCHEMA = 1
 DEFAULT_RENDEZVOUS_PORT = 29500  # torchrun's and accelerate launch's default MASTER_PORT
@@ -100,9 +101,7 @@ class Facts(dict):
                 f"torch {torch.get('version')}, {len(self.get('env') or {})} variables)")
 
     def _repr_html_(self) -> str:
-        from helpers.audit.render import facts_html
-
-        return facts_html(self)
+        return render.facts_html(self)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -208,9 +207,7 @@ def torch_facts(probe: _Probe, timeout_s: float) -> dict[str, Any]:
 
 
 def cuda_state_here() -> dict[str, Any]:
-    """Whether CUDA is already initialised in this process, and by which call (helpers.launch)."""
-    from helpers import cuda_watch
-
+    """Whether CUDA is already initialised in this process, and by which call (helpers.cuda_watch)."""
     try:
         cuda_watch.check_cuda_not_initialized()
     except cuda_watch.CudaInitializedError:

@@ -204,3 +204,9 @@ def fleet_document(fleet: Any) -> str:
         parts.append(findings_html(node["findings"]))
     parts.append("</body></html>\n")
     return "".join(parts)
+
+
+def diff_document(diff: Any) -> str:
+    """``python -m helpers diff --html``'s page: the differences table alone, self-contained."""
+    return (f"<!DOCTYPE html><html><head><meta charset='utf-8'><style>{STYLE}</style></head>"
+            f"<body><h1>Differences</h1>{diff_html(diff)}</body></html>\n")
