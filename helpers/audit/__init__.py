@@ -19,7 +19,7 @@ from helpers.audit.diff import DiffResult, diff_reports, load_machine
 from helpers.audit.facts import Facts, collect_facts
 from helpers.audit.fleet import FleetReport, build_fleet, run_fleet
 from helpers.audit.render import summary_rows
-from helpers.audit.results import AuditReport, AuditRun, ReportFiles, Topology
+from helpers.audit.results import AuditOutcome, AuditReport, AuditRun, ReportFiles, Topology
 from helpers.audit.rules import CODES, RULES, Finding
 from helpers.audit.steps import (
     anonymize_facts,
@@ -28,14 +28,16 @@ from helpers.audit.steps import (
     compare,
     export_audit,
     judge,
+    outcome,
     panel,
     run_audit,
     topology,
     write_report,
 )
 
-__all__ = ["CODES", "RULES", "AuditReport", "AuditRun", "DiffResult", "Facts", "Finding",
-           "FleetReport", "ReportFiles", "Topology", "anonymize_facts", "build_fleet",
+__all__ = ["CODES", "RULES", "AuditOutcome", "AuditReport", "AuditRun", "DiffResult", "Facts",
+           "Finding", "FleetReport", "ReportFiles", "Topology", "anonymize_facts", "build_fleet",
            "check_before_launch", "check_config", "cli_audit", "cli_diff", "cli_facts",
            "collect_facts", "compare", "diff_reports", "export_audit", "judge", "load_machine",
-           "main", "panel", "run_audit", "run_fleet", "summary_rows", "topology", "write_report"]
+           "main", "outcome", "panel", "run_audit", "run_fleet", "summary_rows", "topology",
+           "write_report"]

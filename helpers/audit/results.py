@@ -1,5 +1,7 @@
 """The audit's result objects: plain dataclasses that render themselves in a notebook.
 
+``AuditOutcome`` is what notebook 01's last cell checks and saves (``helpers.report.Outcome``).
+
 Kept apart from the steps that build them (``helpers.audit.steps``) so that the CLI, the fleet
 gather and the notebook share one definition of what a report is, and its JSON layout
 (``{"schema": 1, "facts", "findings"}``) is written down once.
@@ -8,7 +10,7 @@ gather and the notebook share one definition of what a report is, and its JSON l
 from __future__ import annotations
 
 import html
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from helpers import report
@@ -104,3 +106,28 @@ class AuditRun(report.ResultMixin):
             parts += ["<h4>Comparison</h4>", self.diff._repr_html_()]
         parts.append(render.facts_html(self.report.facts))
         return "".join(parts)
+
+
+@dataclass
+class AuditOutcome(report.Outcome):
+    """Notebook 01's outcome: the report was written and, under ``strict``, has no error-level
+    finding. Its JSON keeps the keys the notebook wrote before it existed (``report_json``,
+    ``report_html``, ``counts``, ``codes``), then ``ok``, ``strict`` and ``problems``."""
+
+    report_json: str | None
+    report_html: str | None
+    counts: dict[str, int]
+    codes: list[str]
+    ok: bool = True
+    strict: bool = False
+    problems: list[str] = field(default_factory=list)
+
+    def verdict(self) -> str:
+        """One line: where the report is and what it found, or what went wrong."""
+        if not self.ok:
+            return "; ".join(self.problems)
+        counts = self.counts
+        found = (f"{counts.get('error', 0)} error(s), {counts.get('warning', 0)} warning(s), "
+                 f"{counts.get('info', 0)} info")
+        return f"Report written to {self.report_json} ({found}" + \
+            ("; strict: no error-level finding)" if self.strict else ")")

@@ -13,7 +13,7 @@ from typing import Any
 from helpers import params, redact, report
 from helpers.audit.diff import DiffResult, diff_reports, load_machine
 from helpers.audit.facts import collect_facts, cuda_state_here
-from helpers.audit.results import AuditReport, AuditRun, ReportFiles, Topology
+from helpers.audit.results import AuditOutcome, AuditReport, AuditRun, ReportFiles, Topology
 from helpers.audit.rules import Finding, evaluate, rule_cuda_initialized
 
 REPORT_NAME = "audit"
@@ -123,6 +123,21 @@ def panel(cfg: params.Config):
                      "anonymize": cfg.anonymize, "min_severity": "warning"},
                     title="Environment audit",
                     uploads={"compare_with": lambda values: Path(values["report_dir"]) / UPLOAD_FOLDER})
+
+
+def outcome(cfg: params.Config, result: AuditReport, files: ReportFiles) -> AuditOutcome:
+    """Notebook 01's last cell: ``ok`` when both report files exist and, with ``cfg.strict``,
+    ``result`` has no error-level finding; ``problems`` says what is wrong otherwise."""
+    problems = []
+    if not all(path and Path(path).is_file() for path in (files.json_path, files.html_path)):
+        problems.append("the report was not written")
+    strict = bool(cfg.get("strict", False))
+    if strict and result.errors():
+        problems.append("error-level findings: " + "; ".join(
+            f"{f.code}: {f.title}" for f in result.errors()))
+    return AuditOutcome(files.json_path, files.html_path, result.counts(),
+                        [f.code for f in result.findings], ok=not problems, strict=strict,
+                        problems=problems)
 
 
 def anonymize_facts(facts: dict[str, Any]) -> dict[str, Any]:
