@@ -47,10 +47,10 @@ def side_by_side(folder: Path) -> dict[str, float]:
 
 def breakdown() -> tuple[float, float, float]:
     """(total, torch child, the rest while the child ran) of one in-process collection."""
-    from helpers import audit_facts
+    from helpers import audit
 
     started = time.perf_counter()
-    facts = audit_facts.collect_facts()
+    facts = audit.collect_facts()
     total = time.perf_counter() - started
     child = facts["torch"]["probe"]["seconds"] or 0.0
     return total, child, total - child

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from helpers import audit
-from helpers.audit_diff import diff_reports
+from helpers.audit.diff import diff_reports
 
 FIXTURES = Path(__file__).parent / "fixtures" / "audit"
 sys.path.insert(0, str(FIXTURES))
@@ -128,6 +128,16 @@ def test_audit_anonymizes_facts_from_another_machine(tmp_path):
 def test_bad_usage_exits_2_naming_the_argument(args, message):
     result = helpers_cli(*args)
     assert result.returncode == 2 and message in result.stderr, result.stderr
+
+
+def test_importing_the_audit_stays_light_and_below_the_other_features():
+    """helpers.audit imports leaves only: no torch, widgets or NVML, and no launch/trace/doctor/repro."""
+    code = "import sys, helpers.audit; print(' '.join(sorted(sys.modules)))"
+    loaded = set(subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                                timeout=60, check=True).stdout.split())
+    forbidden = {"torch", "ipywidgets", "IPython", "matplotlib", "pynvml", "helpers.ui",
+                 "helpers.launch", "helpers.trace", "helpers.doctor", "helpers.repro"}
+    assert loaded & forbidden == set()
 
 
 def test_fleet_needs_a_launcher():

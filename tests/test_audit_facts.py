@@ -13,8 +13,10 @@ from pathlib import Path
 import pynvml
 import pytest
 
-from helpers import audit, audit_facts, cuda_watch
-from helpers.audit_rules import evaluate
+from helpers import audit, cuda_watch
+from helpers.audit import facts as audit_facts
+from helpers.audit import gpu as audit_gpu
+from helpers.audit.rules import evaluate
 
 sys.path.insert(0, str(Path(__file__).parent / "fixtures" / "audit"))
 import fake_nvml  # noqa: E402
@@ -92,7 +94,7 @@ def test_fake_nvml_matches_pynvml():
 
 
 def test_eight_gpus_two_models(facts):
-    gpu = audit_facts.gpu_facts(fake_nvml.eight_gpus_two_models())
+    gpu = audit_gpu.gpu_facts(fake_nvml.eight_gpus_two_models())
     assert gpu["driver"] == {**gpu["driver"], "version": "550.54.15", "cuda": "12.4", "error": None}
     assert [g["name"] for g in gpu["gpus"]] == ["NVIDIA H100 80GB HBM3"] * 4 + ["Tesla V100-SXM2-32GB"] * 4
     first = gpu["gpus"][0]
@@ -120,14 +122,14 @@ def test_eight_gpus_two_models(facts):
 ])
 def test_nvml_init_failures_are_facts(error, text):
     nvml = fake_nvml.FakeNVML(init_error=error)
-    gpu = audit_facts.gpu_facts(nvml)
+    gpu = audit_gpu.gpu_facts(nvml)
     assert text in gpu["driver"]["error"] and gpu["gpus"] == []
 
 
 def test_lost_gpu_is_a_finding_and_the_rest_is_read(facts):
     nvml = fake_nvml.eight_gpus_two_models()
     nvml.gpus[3].lost = True
-    gpu = audit_facts.gpu_facts(nvml)
+    gpu = audit_gpu.gpu_facts(nvml)
     assert gpu["gpus"][3]["error"].startswith("GPU is lost")
     assert gpu["gpus"][4]["name"] == "Tesla V100-SXM2-32GB"
     assert gpu["nvml_topology"]["labels"] == [f"GPU{i}" for i in (0, 1, 2, 4, 5, 6, 7)]
@@ -139,14 +141,14 @@ def test_lost_gpu_is_a_finding_and_the_rest_is_read(facts):
 def test_nvml_failing_midway_is_a_fact():
     nvml = fake_nvml.eight_gpus_two_models()
     nvml.nvmlDeviceGetCount = lambda: (_ for _ in ()).throw(fake_nvml.NVMLError(999))
-    gpu = audit_facts.gpu_facts(nvml)
+    gpu = audit_gpu.gpu_facts(nvml)
     assert gpu["driver"]["error"].startswith("NVML failed") and gpu["gpus"] == []
     assert nvml.calls == ["init", "shutdown"]
 
 
 def test_pynvml_missing_is_a_finding(monkeypatch, facts):
     monkeypatch.setitem(sys.modules, "pynvml", None)  # `import pynvml` raises ImportError
-    gpu = audit_facts.gpu_facts()
+    gpu = audit_gpu.gpu_facts()
     assert "not installed" in gpu["driver"]["error"]
     found = evaluate({**facts, "driver": gpu["driver"]})
     assert [(f.code, f.severity) for f in found if f.code == "NVML_UNAVAILABLE"] == \

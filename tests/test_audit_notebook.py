@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import datetime
 import json
 import sys
@@ -11,7 +12,7 @@ import papermill
 import pytest
 from conftest import notebook_text_outputs, run_notebook
 
-from helpers import redact
+from helpers import audit, params, redact
 
 FIXTURES = Path(__file__).parent / "fixtures" / "audit"
 sys.path.insert(0, str(FIXTURES))
@@ -75,8 +76,6 @@ def test_compare_anonymize_and_strict(tmp_path):
 
 def test_widget_panel_filters_reruns_compares_an_upload_and_exports(tmp_path):
     """The notebook's panel (no kernel needed): severity filter, re-run, upload, export, bad path."""
-    from helpers import audit, params
-
     cfg = params.validate(report_dir=str(tmp_path / "p"), compare_with="", anonymize=False)
     panel = audit.panel(cfg)
     assert list(panel.buttons) == ["Re-run audit", "Export"]
@@ -103,3 +102,34 @@ def test_widget_panel_filters_reruns_compares_an_upload_and_exports(tmp_path):
     assert panel.error.startswith("ValueError: compare_with: no such file")
     panel.click("Export")  # a stale compare_with does not block an export
     assert panel.error is None and Path(panel.result.json_path).is_file()
+
+
+def test_outcome_ok_strict_missing_files_and_saved_json(tmp_path):
+    """The notebook's last cell (no kernel needed): ok when both report files exist; under strict,
+    error-level findings fail it; the saved JSON keeps the keys the notebook wrote before."""
+    facts = copy.deepcopy(json.loads((FIXTURES / "healthy_8gpu.json").read_text()))
+    facts["torch"]["cuda"] = None  # TORCH_CPU_BUILD_WITH_GPUS: an error
+    verdicts = audit.judge(facts)
+    files = audit.write_report(verdicts, tmp_path / "audit")
+
+    relaxed = audit.outcome(params.validate(strict=False), verdicts, files)
+    assert relaxed.ok and "1 error(s)" in relaxed.verdict() and files.json_path in relaxed.verdict()
+    saved = json.loads(relaxed.save(str(tmp_path / "results.json")).read_text())
+    assert list(saved)[:4] == ["report_json", "report_html", "counts", "codes"]
+    assert saved["report_json"] == str(tmp_path / "audit" / "audit.json")
+    assert saved["report_html"] == str(tmp_path / "audit" / "audit.html")
+    assert saved["counts"] == {"error": 1, "warning": 0, "info": 0}
+    assert saved["codes"] == ["TORCH_CPU_BUILD_WITH_GPUS"] and saved["ok"] is True
+    assert relaxed.save("") is None  # results_path empty: nothing written
+
+    strict = audit.outcome(params.validate(strict=True), verdicts, files)
+    assert not strict.ok
+    assert strict.verdict().startswith("error-level findings: TORCH_CPU_BUILD_WITH_GPUS: ")
+    healthy = audit.judge(json.loads((FIXTURES / "healthy_8gpu.json").read_text()))
+    assert audit.outcome(params.validate(strict=True), healthy, files).ok
+
+    (tmp_path / "audit" / "audit.html").unlink()
+    missing = audit.outcome(params.validate(strict=False), verdicts, files)
+    assert not missing.ok and missing.verdict() == "the report was not written"
+    nowhere = audit.outcome(params.validate(strict=False), verdicts, audit.write_report(verdicts))
+    assert not nowhere.ok and nowhere.report_json is None

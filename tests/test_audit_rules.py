@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from helpers.audit_rules import CODES, RULES, evaluate, visible_devices
+from helpers.audit.rules import CODES, REGISTRY, RULES, evaluate, rule, visible_devices
 
 FIXTURES = Path(__file__).parent / "fixtures" / "audit"
 HEALTHY = json.loads((FIXTURES / "healthy_8gpu.json").read_text())
@@ -169,6 +169,26 @@ def test_rule_triggers_and_spares_look_alikes(code, severity, trigger, look_alik
 
 def test_every_code_is_covered_by_cases():
     assert {case[0] for case in CASES} == set(CODES)
+
+
+def test_rules_and_codes_are_one_registry_and_each_rule_reports_its_own_code():
+    """RULES and CODES are read off @rule: same order, one code per rule, and every finding a
+    rule produces (over every triggering case) carries the code it was registered under."""
+    assert list(REGISTRY) == list(CODES) and list(REGISTRY.values()) == list(RULES)
+    assert len(set(CODES)) == len(CODES)
+    for code, check in REGISTRY.items():
+        produced = [finding for case in CASES for finding in check(case[2])]
+        assert produced, f"{code}: no case triggers its rule"
+        assert {finding.code for finding in produced} == {code}, check.__name__
+
+
+def test_a_code_cannot_be_declared_twice_or_misspelled():
+    before = dict(REGISTRY)
+    with pytest.raises(ValueError, match="KERNEL_BELOW_5_5 is already declared by rule_kernel"):
+        rule("KERNEL_BELOW_5_5")
+    with pytest.raises(ValueError, match="UPPER_SNAKE_CASE; got 'no-gpu'"):
+        rule("no-gpu")
+    assert REGISTRY == before
 
 
 def test_rtx40_with_workaround_set_is_only_info_and_silences_nccl_warning():

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from helpers import redact, report
+from helpers import audit, redact, report
 from helpers.report import Note
 from helpers.repro.runs import ReproRun
 from helpers.repro.script import launch_commands, out_folder
@@ -36,13 +36,11 @@ def write_report(run: ReproRun, fixed: ReproRun | Note | None = None, out_dir: s
                  facts: dict[str, Any] | None = None) -> IssueFiles:
     """Write ``report.md`` (ready for an accelerate or torch issue) and ``diagnosis.json``.
 
-    The environment comes from the audit (``helpers.audit_facts``), anonymised; every secret,
+    The environment comes from the audit (``helpers.audit``), anonymised; every secret,
     home folder, user and host name is replaced in the whole text.
     """
-    from helpers.audit_facts import collect_facts
-
     folder = out_folder(out_dir) if out_dir else Path(run.script).parent
-    facts = facts if facts is not None else collect_facts(anonymize=True)
+    facts = facts if facts is not None else audit.collect_facts(anonymize=True)
     summary = report_summary(run, fixed)
     text = redact.for_report(report_markdown(run, fixed, facts, summary))
     markdown = report.atomic_write_text(folder / "report.md", text)
@@ -79,10 +77,8 @@ def _line_count(path: Path) -> int:
 
 def report_markdown(run: ReproRun, fixed: ReproRun | Note | None, facts: dict[str, Any], summary: str) -> str:
     """report.md's text (before redaction)."""
-    from helpers.audit_render import summary_rows
-
     script = Path(run.script)
-    rows = [row for row in summary_rows(facts)
+    rows = [row for row in audit.summary_rows(facts)
             if row["fact"] not in ("rendezvous port", "host", "variables collected")]
     env = facts.get("env") or {}
     variables = ", ".join(f"`{k}={v}`" for k, v in sorted(env.items())) or "none set"

@@ -4,10 +4,15 @@ A finding has a stable ``code``, a ``severity`` (error | warning | info), a one-
 ``evidence`` from the facts, the ``fix`` and the ``source`` it rests on. Rules read facts through
 ``get`` so that facts from another machine (or an older schema) never crash them; a rule that fails
 anyway yields an ``AUDIT_RULE_FAILED`` finding instead of an exception.
+
+A rule is declared once, with its code: ``@rule("CODE")`` over ``def rule_x(facts, found)``, whose
+findings come from ``found(severity, title, evidence, fix, source)``. ``RULES`` and ``CODES`` are
+read off that registry, so a rule can neither miss its code nor report another one.
 """
 
 from __future__ import annotations
 
+import functools
 import re
 from collections import Counter
 from collections.abc import Callable
@@ -41,6 +46,40 @@ class Finding:
     evidence: str
     fix: str
     source: str
+
+# ---------------------------------------------------------------------------------------------
+# the registry: a rule and its code are declared once, with @rule("CODE")
+
+# what a rule's body calls to build a finding: found(severity, title, evidence, fix, source)
+Found = Callable[[str, str, str, str, str], Finding]
+Check = Callable[[dict[str, Any], Found], list[Finding]]
+Rule = Callable[[dict[str, Any]], list[Finding]]
+REGISTRY: dict[str, Rule] = {}  # code -> rule, in the order the rules are declared
+
+
+def rule(code: str) -> Callable[[Check], Rule]:
+    """Register a rule under its stable ``code``, the only place that code is spelled.
+
+    The decorated ``check(facts, found)`` builds its findings with ``found(severity, title,
+    evidence, fix, source)``, which fills in ``code``; the decorator returns the rule as callers
+    use it, ``rule_x(facts) -> list[Finding]``. A code registered twice raises ValueError.
+    """
+    if not re.fullmatch(r"[A-Z][A-Z0-9_]*", code):
+        raise ValueError(f"rule code must be UPPER_SNAKE_CASE; got {code!r}")
+    if code in REGISTRY:
+        raise ValueError(f"rule code {code} is already declared by {REGISTRY[code].__name__}")
+
+    def register(check: Check) -> Rule:
+        found = functools.partial(Finding, code)
+
+        @functools.wraps(check)
+        def judged(facts: dict[str, Any]) -> list[Finding]:
+            return check(facts, found)
+
+        REGISTRY[code] = judged
+        return judged
+
+    return register
 
 
 def get(facts: dict[str, Any], dotted: str, default: Any = None) -> Any:
@@ -155,8 +194,9 @@ def visible_gpus(facts: dict[str, Any]) -> list[dict[str, Any]]:
 # the rules
 
 
-def rule_kernel(facts: dict[str, Any]) -> list[Finding]:
-    """KERNEL_BELOW_5_5: accelerate warns below 5.5 because hangs were reported there."""
+@rule("KERNEL_BELOW_5_5")
+def rule_kernel(facts: dict[str, Any], found: Found) -> list[Finding]:
+    """Accelerate warns below 5.5 because hangs were reported there."""
     release = get(facts, "os.kernel", "")
     version = parse_version(release)
     if get(facts, "os.system") != "Linux" or version is None or version[:3] >= (5, 5, 0):
@@ -165,8 +205,8 @@ def rule_kernel(facts: dict[str, Any]) -> list[Finding]:
     container = bool(get(facts, "os.container.any", False))
     where = (" This is gVisor's fixed kernel number, not a real kernel." if gvisor else
              " In a container this is the host's kernel." if container else "")
-    return [Finding(
-        "KERNEL_BELOW_5_5", "info" if gvisor else "warning",
+    return [found(
+        "info" if gvisor else "warning",
         f"Linux kernel {release} is below 5.5, where accelerate warns that processes can hang",
         f"kernel release {release!r}.{where}",
         "Hangs were reported on kernels below 5.5; the cause is unknown. If runs hang, try "
@@ -175,8 +215,9 @@ def rule_kernel(facts: dict[str, Any]) -> list[Finding]:
         SRC_KERNEL)]
 
 
-def rule_torch_driver(facts: dict[str, Any]) -> list[Finding]:
-    """TORCH_CUDA_DRIVER_MISMATCH: the driver supports an older CUDA than torch was built with."""
+@rule("TORCH_CUDA_DRIVER_MISMATCH")
+def rule_torch_driver(facts: dict[str, Any], found: Found) -> list[Finding]:
+    """The driver supports an older CUDA than torch was built with."""
     built, supported = get(facts, "torch.cuda"), get(facts, "driver.cuda")
     built_v, supported_v = parse_version(built), parse_version(supported)
     if not built_v or not supported_v or supported_v[:2] >= built_v[:2]:
@@ -184,15 +225,15 @@ def rule_torch_driver(facts: dict[str, Any]) -> list[Finding]:
     evidence = (f"torch {get(facts, 'torch.version', '?')} is built for CUDA {built}; driver "
                 f"{get(facts, 'driver.version', '?')} supports CUDA up to {supported}")
     if supported_v[0] < built_v[0]:
-        return [Finding(
-            "TORCH_CUDA_DRIVER_MISMATCH", "error",
+        return [found(
+            "error",
             f"The NVIDIA driver is too old for torch's CUDA {built} build",
             evidence + " (a different major version: CUDA will not initialise)",
             f"Install a torch build for CUDA {supported_v[0]}.x (pytorch.org, 'Get started', pick "
             f"the CUDA version) or upgrade the driver to one supporting CUDA {built}.",
             SRC_CUDA_COMPAT)]
-    return [Finding(
-        "TORCH_CUDA_DRIVER_MISMATCH", "warning",
+    return [found(
+        "warning",
         f"The driver supports CUDA {supported}, older than torch's CUDA {built} build",
         evidence + " (same major version: runs through minor version compatibility, with a "
         "limited feature set)",
@@ -201,14 +242,15 @@ def rule_torch_driver(facts: dict[str, Any]) -> list[Finding]:
         SRC_CUDA_COMPAT)]
 
 
-def rule_cpu_build(facts: dict[str, Any]) -> list[Finding]:
-    """TORCH_CPU_BUILD_WITH_GPUS: a CPU-only torch on a machine with NVIDIA GPUs."""
+@rule("TORCH_CPU_BUILD_WITH_GPUS")
+def rule_cpu_build(facts: dict[str, Any], found: Found) -> list[Finding]:
+    """A CPU-only torch on a machine with NVIDIA GPUs."""
     gpus = _gpus(facts)
     version = get(facts, "torch.version")
     if not gpus or not version or get(facts, "torch.cuda") or get(facts, "torch.hip"):
         return []
-    return [Finding(
-        "TORCH_CPU_BUILD_WITH_GPUS", "error",
+    return [found(
+        "error",
         f"torch {version} is a CPU-only build, but this machine has {len(gpus)} NVIDIA GPU(s)",
         f"torch.version.cuda is None; NVML lists {len(gpus)} GPU(s), driver "
         f"{get(facts, 'driver.version', '?')} (CUDA {get(facts, 'driver.cuda', '?')})",
@@ -217,8 +259,9 @@ def rule_cpu_build(facts: dict[str, Any]) -> list[Finding]:
         "torch.version.cuda; pytorch.org/get-started")]
 
 
-def rule_visible_devices(facts: dict[str, Any]) -> list[Finding]:
-    """CUDA_VISIBLE_DEVICES_INVALID: duplicates, out of range, mixed forms, unknown UUIDs, empty."""
+@rule("CUDA_VISIBLE_DEVICES_INVALID")
+def rule_visible_devices(facts: dict[str, Any], found: Found) -> list[Finding]:
+    """Duplicates, out of range, mixed forms, unknown UUIDs, empty."""
     value = get(facts, "env", {}).get("CUDA_VISIBLE_DEVICES")
     if value is None:
         return []
@@ -227,8 +270,8 @@ def rule_visible_devices(facts: dict[str, Any]) -> list[Finding]:
     if not result.problems or result.severity is None:
         return []
     shown = ", ".join(f"GPU{i}" for i in result.indices) or "none"
-    return [Finding(
-        "CUDA_VISIBLE_DEVICES_INVALID", result.severity,
+    return [found(
+        result.severity,
         f"CUDA_VISIBLE_DEVICES={value!r} does not select what it seems to",
         f"{'; '.join(result.problems)}. GPUs visible: {shown} (of {len(gpus)})",
         "Use one form (indices like 0,1 or full UUIDs from `nvidia-smi -L`), each GPU once, only "
@@ -236,13 +279,14 @@ def rule_visible_devices(facts: dict[str, Any]) -> list[Finding]:
         SRC_VISIBLE)]
 
 
-def rule_cuda_initialized(facts: dict[str, Any]) -> list[Finding]:
-    """CUDA_INITIALIZED_BEFORE_LAUNCH: CUDA already initialised where ranks are about to be forked."""
+@rule("CUDA_INITIALIZED_BEFORE_LAUNCH")
+def rule_cuda_initialized(facts: dict[str, Any], found: Found) -> list[Finding]:
+    """CUDA already initialised where ranks are about to be forked."""
     if not get(facts, "torch.initialized_here", False):
         return []
     site = get(facts, "torch.init_site") or "a call that could not be traced"
-    return [Finding(
-        "CUDA_INITIALIZED_BEFORE_LAUNCH", "error",
+    return [found(
+        "error",
         "CUDA is already initialised in this process: forked ranks (notebook_launcher) will fail",
         f"torch.cuda.is_initialized() is True here; first initialised by {site}",
         "Restart the kernel and keep torch.cuda.*, .cuda() and .to('cuda') inside the function you "
@@ -251,14 +295,15 @@ def rule_cuda_initialized(facts: dict[str, Any]) -> list[Finding]:
         "in a forked subprocess")]
 
 
-def rule_mixed_models(facts: dict[str, Any]) -> list[Finding]:
-    """MIXED_GPU_MODELS: more than one GPU model among the visible GPUs."""
+@rule("MIXED_GPU_MODELS")
+def rule_mixed_models(facts: dict[str, Any], found: Found) -> list[Finding]:
+    """More than one GPU model among the visible GPUs."""
     models = Counter(gpu.get("name") or "?" for gpu in visible_gpus(facts))
     if len(models) < 2:
         return []
     listing = ", ".join(f"{count} x {name}" for name, count in models.most_common())
-    return [Finding(
-        "MIXED_GPU_MODELS", "warning", f"{len(models)} different GPU models are visible",
+    return [found(
+        "warning", f"{len(models)} different GPU models are visible",
         listing,
         "Data-parallel ranks wait for each other at every gradient all-reduce, so the slowest GPU "
         "sets the pace and the smallest memory sets the batch size; select one model with "
@@ -266,13 +311,14 @@ def rule_mixed_models(facts: dict[str, Any]) -> list[Finding]:
         "torch DistributedDataParallel docs (synchronous all-reduce in backward)")]
 
 
-def rule_shm(facts: dict[str, Any]) -> list[Finding]:
-    """SHM_TOO_SMALL: /dev/shm below 512 MiB (Docker's default is 64 MB)."""
+@rule("SHM_TOO_SMALL")
+def rule_shm(facts: dict[str, Any], found: Found) -> list[Finding]:
+    """/dev/shm below 512 MiB (Docker's default is 64 MB)."""
     size = get(facts, "os.shm_bytes")
     if not isinstance(size, int) or size >= SHM_MIN_BYTES:
         return []
-    return [Finding(
-        "SHM_TOO_SMALL", "warning", f"/dev/shm is {size / MIB:.0f} MiB, below 512 MiB",
+    return [found(
+        "warning", f"/dev/shm is {size / MIB:.0f} MiB, below 512 MiB",
         f"/dev/shm size {size} bytes"
         + (" (inside a container)" if get(facts, "os.container.any", False) else ""),
         "NCCL and DataLoader workers use shared memory; start the container with --shm-size=8g "
@@ -281,32 +327,33 @@ def rule_shm(facts: dict[str, Any]) -> list[Finding]:
         "NCCL User Guide, 'Troubleshooting: Docker'")]
 
 
-def rule_nccl_env(facts: dict[str, Any]) -> list[Finding]:
-    """NCCL_ENV_SUSPICIOUS: P2P/IB/SHM disabled, bad NCCL_P2P_LEVEL, missing socket interfaces."""
+@rule("NCCL_ENV_SUSPICIOUS")
+def rule_nccl_env(facts: dict[str, Any], found: Found) -> list[Finding]:
+    """P2P/IB/SHM disabled, bad NCCL_P2P_LEVEL, missing socket interfaces."""
     env = get(facts, "env", {})
     findings = []
     rtx40_expected = bool(_rtx40_old_driver(facts))
     if env.get("NCCL_P2P_DISABLE") == "1" and not rtx40_expected:
         nvlink = any((gpu.get("nvlink") or {}).get("active") for gpu in _gpus(facts))
-        findings.append(_nccl(
+        findings.append(_nccl(found,
             "warning", "NCCL_P2P_DISABLE=1: GPU-to-GPU transfers go through host memory",
             "NCCL_P2P_DISABLE=1" + (" on GPUs with active NVLink" if nvlink else ""),
             "Expect much lower intra-node bandwidth. Unset it unless it works around a hang you "
             "have confirmed (then say why next to where it is set)."))
     if env.get("NCCL_IB_DISABLE") == "1" and not rtx40_expected:
         ib = get(facts, "network.infiniband", [])
-        findings.append(_nccl(
+        findings.append(_nccl(found,
             "warning" if ib else "info",
             "NCCL_IB_DISABLE=1: inter-node traffic uses TCP sockets, not InfiniBand/RoCE",
             f"NCCL_IB_DISABLE=1; InfiniBand devices here: {', '.join(ib) or 'none'}",
             "Unset it on clusters with InfiniBand/RoCE; keep it only while diagnosing."))
     if env.get("NCCL_SHM_DISABLE") == "1":
-        findings.append(_nccl(
+        findings.append(_nccl(found,
             "info", "NCCL_SHM_DISABLE=1: the shared-memory transport is off",
             "NCCL_SHM_DISABLE=1", "Fine while narrowing down a hang; unset it afterwards."))
     level = env.get("NCCL_P2P_LEVEL")
     if level is not None and level.upper() not in NCCL_P2P_LEVELS and not re.fullmatch(r"[0-5]", level):
-        findings.append(_nccl(
+        findings.append(_nccl(found,
             "warning", f"NCCL_P2P_LEVEL={level!r} is not a level NCCL knows",
             f"NCCL_P2P_LEVEL={level!r}; accepted: {', '.join(NCCL_P2P_LEVELS)}",
             "Use one of LOC, NVL, PIX, PXB, PHB, SYS, or unset it and let NCCL choose."))
@@ -314,7 +361,7 @@ def rule_nccl_env(facts: dict[str, Any]) -> list[Finding]:
     for name in ("NCCL_SOCKET_IFNAME", "GLOO_SOCKET_IFNAME"):
         missing = _missing_interfaces(env.get(name), interfaces)
         if missing:
-            findings.append(_nccl(
+            findings.append(_nccl(found,
                 "error", f"{name}={env[name]!r} names no interface of this machine",
                 f"{name}={env[name]!r}; interfaces here: {', '.join(interfaces) or 'none'}",
                 f"Set {name} to an interface listed by `ip -br link` (a prefix such as eth matches "
@@ -322,8 +369,8 @@ def rule_nccl_env(facts: dict[str, Any]) -> list[Finding]:
     return findings
 
 
-def _nccl(severity: str, title: str, evidence: str, fix: str) -> Finding:
-    return Finding("NCCL_ENV_SUSPICIOUS", severity, title, evidence, fix, SRC_NCCL_ENV)
+def _nccl(found: Found, severity: str, title: str, evidence: str, fix: str) -> Finding:
+    return found(severity, title, evidence, fix, SRC_NCCL_ENV)
 
 
 def _missing_interfaces(value: str | None, interfaces: list[str]) -> bool:
@@ -345,15 +392,16 @@ def _rtx40_old_driver(facts: dict[str, Any]) -> list[str]:
     return names if driver < parse_version(RTX40_MIN_DRIVER) else []
 
 
-def rule_rtx40(facts: dict[str, Any]) -> list[Finding]:
-    """RTX40_P2P_DRIVER: RTX 4000-series GPUs with a driver older than 550.40.07."""
+@rule("RTX40_P2P_DRIVER")
+def rule_rtx40(facts: dict[str, Any], found: Found) -> list[Finding]:
+    """RTX 4000-series GPUs with a driver older than 550.40.07."""
     names = _rtx40_old_driver(facts)
     if not names:
         return []
     env = get(facts, "env", {})
     both_set = env.get("NCCL_P2P_DISABLE") == "1" and env.get("NCCL_IB_DISABLE") == "1"
-    return [Finding(
-        "RTX40_P2P_DRIVER", "info" if both_set else "warning",
+    return [found(
+        "info" if both_set else "warning",
         f"RTX 4000-series GPUs with driver {get(facts, 'driver.version')} (< {RTX40_MIN_DRIVER}): "
         "P2P and IB must be disabled",
         f"{len(names)} x {names[0]}; NCCL_P2P_DISABLE={env.get('NCCL_P2P_DISABLE')!r}, "
@@ -364,19 +412,20 @@ def rule_rtx40(facts: dict[str, Any]) -> list[Finding]:
         "accelerate utils/environment.py check_cuda_p2p_ib_support; accelerate state.py")]
 
 
-def rule_accelerate_config(facts: dict[str, Any]) -> list[Finding]:
-    """ACCELERATE_CONFIG_MISMATCH: the accelerate config asks for what this machine lacks."""
+@rule("ACCELERATE_CONFIG_MISMATCH")
+def rule_accelerate_config(facts: dict[str, Any], found: Found) -> list[Finding]:
+    """The accelerate config asks for what this machine lacks."""
     error = get(facts, "accelerate_config_error")
     path = get(facts, "accelerate_config_path", "the accelerate config")
     if error:
-        return [Finding("ACCELERATE_CONFIG_MISMATCH", "warning",
+        return [found("warning",
                         "The accelerate config file cannot be read", f"{path}: {error}",
                         "Fix or recreate it with `accelerate config`; `accelerate launch` fails "
                         "on it too.", "accelerate commands/config/config_args.py")]
     config = get(facts, "accelerate_config")
     if not isinstance(config, dict) or not _gpus(facts) or config.get("use_cpu"):
         return []
-    return [Finding("ACCELERATE_CONFIG_MISMATCH", severity, title, f"{path}: {evidence}", fix,
+    return [found(severity, title, f"{path}: {evidence}", fix,
                     "accelerate commands/config/config_args.py; torch.cuda.is_bf16_supported "
                     "(compute capability 8.0+)")
             for severity, title, evidence, fix in _config_problems(config, visible_gpus(facts))]
@@ -417,29 +466,31 @@ def _int(value: Any, default: int) -> int:
         return default
 
 
-def rule_port(facts: dict[str, Any]) -> list[Finding]:
-    """PORT_IN_USE: the rendezvous port (MASTER_PORT or 29500) is taken."""
+@rule("PORT_IN_USE")
+def rule_port(facts: dict[str, Any], found: Found) -> list[Finding]:
+    """The rendezvous port (MASTER_PORT or 29500) is taken."""
     port = get(facts, "network.rendezvous_port", {})
     if port.get("free") is not False:
         return []
     holder = port.get("holder") or "a process this audit cannot see"
-    return [Finding(
-        "PORT_IN_USE", "warning", f"Rendezvous port {port.get('port')} is already in use",
+    return [found(
+        "warning", f"Rendezvous port {port.get('port')} is already in use",
         f"port {port.get('port')} ({port.get('source')}) is held by {holder}",
         "Another run (or a stale one) holds it: stop it, or give this run another port "
         "(accelerate launch --main_process_port, torchrun --master-port, or MASTER_PORT).",
         "torch distributed run.py (--master-port defaults to 29500)")]
 
 
-def rule_omp(facts: dict[str, Any]) -> list[Finding]:
-    """OMP_THREADS_OVERSUBSCRIBED: OMP_NUM_THREADS x local ranks exceeds the usable CPUs."""
+@rule("OMP_THREADS_OVERSUBSCRIBED")
+def rule_omp(facts: dict[str, Any], found: Found) -> list[Finding]:
+    """OMP_NUM_THREADS x local ranks exceeds the usable CPUs."""
     env = get(facts, "env", {})
     value = env.get("OMP_NUM_THREADS")
     if value is None:
         return []
     cpus = _int(get(facts, "cpu_count"), 0)
     if not value.strip().isdigit() or int(value) < 1:
-        return [Finding("OMP_THREADS_OVERSUBSCRIBED", "warning",
+        return [found("warning",
                         f"OMP_NUM_THREADS={value!r} is not a positive integer",
                         f"OMP_NUM_THREADS={value!r}", "Set it to a whole number such as 1 or "
                         "(CPUs / ranks per machine).", "OpenMP specification, OMP_NUM_THREADS")]
@@ -447,8 +498,8 @@ def rule_omp(facts: dict[str, Any]) -> list[Finding]:
     threads = int(value)
     if not cpus or threads * ranks <= cpus:
         return []
-    return [Finding(
-        "OMP_THREADS_OVERSUBSCRIBED", "warning",
+    return [found(
+        "warning",
         f"{ranks} ranks x OMP_NUM_THREADS={threads} = {threads * ranks} threads on {cpus} CPUs",
         f"OMP_NUM_THREADS={threads}; {ranks} local ranks ({why}); {cpus} usable CPUs",
         f"Set OMP_NUM_THREADS to at most {max(1, cpus // ranks)} (CPUs / ranks per machine); "
@@ -468,15 +519,16 @@ def _local_ranks(facts: dict[str, Any]) -> tuple[int, str]:
     return (visible, "one per visible GPU") if visible else (1, "one rank")
 
 
-def rule_pcie(facts: dict[str, Any]) -> list[Finding]:
-    """PCIE_LINK_DEGRADED: a link narrower than its maximum (or slower: maybe idle power saving)."""
+@rule("PCIE_LINK_DEGRADED")
+def rule_pcie(facts: dict[str, Any], found: Found) -> list[Finding]:
+    """A link narrower than its maximum (or slower: maybe idle power saving)."""
     findings = []
     for gpu in _gpus(facts):
         width, gen = gpu.get("pcie_width") or {}, gpu.get("pcie_gen") or {}
         name = f"GPU{gpu.get('index')} ({gpu.get('name')})"
         if _below(width):
-            findings.append(Finding(
-                "PCIE_LINK_DEGRADED", "warning",
+            findings.append(found(
+                "warning",
                 f"{name} runs its PCIe link at x{width['current']} of x{width['max']}",
                 f"PCIe width current x{width['current']}, max x{width['max']}; generation "
                 f"{gen.get('current')} of {gen.get('max')}",
@@ -484,8 +536,8 @@ def rule_pcie(facts: dict[str, Any]) -> list[Finding]:
                 "check the slot's wiring and BIOS lane settings.", SRC_NVML
                 + " nvmlDeviceGetCurrPcieLinkWidth"))
         elif _below(gen):
-            findings.append(Finding(
-                "PCIE_LINK_DEGRADED", "info",
+            findings.append(found(
+                "info",
                 f"{name} runs PCIe generation {gen['current']} of {gen['max']}",
                 f"PCIe generation current {gen['current']}, max {gen['max']}",
                 "GPUs lower the link generation when idle to save power; check again under load "
@@ -500,14 +552,15 @@ def _below(link: dict[str, Any]) -> bool:
     return isinstance(current, int) and isinstance(maximum, int) and 0 < current < maximum
 
 
-def rule_throttle(facts: dict[str, Any]) -> list[Finding]:
-    """GPU_THROTTLED: clocks held down by hardware slowdown, thermal limits or power brake."""
+@rule("GPU_THROTTLED")
+def rule_throttle(facts: dict[str, Any], found: Found) -> list[Finding]:
+    """Clocks held down by hardware slowdown, thermal limits or power brake."""
     findings = []
     for gpu in _gpus(facts):
         reasons = [r for r in gpu.get("throttle_reasons") or [] if r in HARD_THROTTLE]
         if reasons:
-            findings.append(Finding(
-                "GPU_THROTTLED", "warning",
+            findings.append(found(
+                "warning",
                 f"GPU{gpu.get('index')} ({gpu.get('name')}) is throttled: {', '.join(reasons)}",
                 f"NVML clock event reasons: {', '.join(gpu.get('throttle_reasons'))}",
                 "Check cooling and power (nvidia-smi -q -d PERFORMANCE,TEMPERATURE,POWER); one "
@@ -516,8 +569,9 @@ def rule_throttle(facts: dict[str, Any]) -> list[Finding]:
     return findings
 
 
-def rule_ecc(facts: dict[str, Any]) -> list[Finding]:
-    """ECC_ERRORS: uncorrectable memory errors (since boot: error; ever: warning)."""
+@rule("ECC_ERRORS")
+def rule_ecc(facts: dict[str, Any], found: Found) -> list[Finding]:
+    """Uncorrectable memory errors (since boot: error; ever: warning)."""
     findings = []
     for gpu in _gpus(facts):
         ecc = gpu.get("ecc") or {}
@@ -525,8 +579,8 @@ def rule_ecc(facts: dict[str, Any]) -> list[Finding]:
         aggregate = _int(ecc.get("aggregate_uncorrected"), 0)
         if not volatile and not aggregate:
             continue
-        findings.append(Finding(
-            "ECC_ERRORS", "error" if volatile else "warning",
+        findings.append(found(
+            "error" if volatile else "warning",
             f"GPU{gpu.get('index')} ({gpu.get('name')}) has uncorrectable ECC memory errors",
             f"uncorrected ECC errors: {volatile} since the driver loaded, {aggregate} over the "
             f"GPU's lifetime; corrected since load: {ecc.get('volatile_corrected')}",
@@ -536,18 +590,20 @@ def rule_ecc(facts: dict[str, Any]) -> list[Finding]:
     return findings
 
 
-def rule_gpu_errors(facts: dict[str, Any]) -> list[Finding]:
-    """GPU_QUERY_FAILED: NVML could not query a GPU (e.g. 'GPU is lost')."""
-    return [Finding(
-        "GPU_QUERY_FAILED", "error", f"GPU{gpu.get('index')} could not be queried: {gpu['error']}",
+@rule("GPU_QUERY_FAILED")
+def rule_gpu_errors(facts: dict[str, Any], found: Found) -> list[Finding]:
+    """NVML could not query a GPU (e.g. 'GPU is lost')."""
+    return [found(
+        "error", f"GPU{gpu.get('index')} could not be queried: {gpu['error']}",
         f"NVML, GPU index {gpu.get('index')}: {gpu['error']}",
         "A lost GPU fails every job scheduled on it: check dmesg for Xid errors (79: fallen off the "
         "bus) and have the node drained and the GPU reset or replaced.", SRC_NVML)
         for gpu in _gpus(facts) if gpu.get("error")]
 
 
-def rule_nvml(facts: dict[str, Any]) -> list[Finding]:
-    """NVML_UNAVAILABLE: NVML could not be used (no driver, no pynvml, driver not loaded)."""
+@rule("NVML_UNAVAILABLE")
+def rule_nvml(facts: dict[str, Any], found: Found) -> list[Finding]:
+    """NVML could not be used (no driver, no pynvml, driver not loaded)."""
     error = get(facts, "driver.error")
     if not error:
         return []
@@ -555,8 +611,8 @@ def rule_nvml(facts: dict[str, Any]) -> list[Finding]:
     missing_module = "not installed" in error
     if not hints and not missing_module:
         return []  # a machine without NVIDIA GPUs: NO_GPU says so
-    return [Finding(
-        "NVML_UNAVAILABLE", "warning",
+    return [found(
+        "warning",
         "GPU facts unavailable: " + error,
         f"{error}; /dev/nvidia* nodes: {', '.join(hints) if isinstance(hints, list) and hints else 'none'}",
         "Install nvidia-ml-py (pip) to read GPU facts." if missing_module else
@@ -564,12 +620,13 @@ def rule_nvml(facts: dict[str, Any]) -> list[Finding]:
         "installed and loaded (lsmod | grep nvidia).", SRC_NVML + " nvmlInit")]
 
 
-def rule_no_gpu(facts: dict[str, Any]) -> list[Finding]:
-    """NO_GPU (info): CPU-only; the distributed checks run on gloo."""
+@rule("NO_GPU")
+def rule_no_gpu(facts: dict[str, Any], found: Found) -> list[Finding]:
+    """CPU-only; the distributed checks run on gloo."""
     if _gpus(facts) or get(facts, "torch.cuda_available", False):
         return []
-    return [Finding(
-        "NO_GPU", "info", "No NVIDIA GPU here: distributed checks run on CPU with gloo",
+    return [found(
+        "info", "No NVIDIA GPU here: distributed checks run on CPU with gloo",
         f"NVML: {get(facts, 'driver.error') or 'no GPUs'}; torch.cuda.is_available() = "
         f"{get(facts, 'torch.cuda_available', False)}",
         "Nothing to fix for learning and CI: the notebooks reproduce hangs and OOMs on CPU ranks. "
@@ -577,52 +634,45 @@ def rule_no_gpu(facts: dict[str, Any]) -> list[Finding]:
         "helpers.launch.default_backend; torch.distributed (gloo runs on CPU)")]
 
 
-def rule_torch_probe(facts: dict[str, Any]) -> list[Finding]:
-    """TORCH_PROBE_FAILED: torch could not be imported (or CUDA hung) in the probe child."""
+@rule("TORCH_PROBE_FAILED")
+def rule_torch_probe(facts: dict[str, Any], found: Found) -> list[Finding]:
+    """Torch could not be imported (or CUDA hung) in the probe child."""
     error = get(facts, "torch.probe.error")
     if not error:
         return []
-    return [Finding(
-        "TORCH_PROBE_FAILED", "error", "Importing torch (and asking CUDA) failed in a fresh process",
+    return [found(
+        "error", "Importing torch (and asking CUDA) failed in a fresh process",
         error, "Run `python -c 'import torch; print(torch.cuda.is_available())'` to see the full "
         "error; reinstall torch for this Python, or look for a hung driver (nvidia-smi).",
-        "helpers.audit_facts TORCH_PROBE")]
+        "helpers.audit.facts TORCH_PROBE")]
 
 
-def rule_hostname(facts: dict[str, Any]) -> list[Finding]:
-    """HOSTNAME_UNRESOLVED: this machine's own name does not resolve."""
+@rule("HOSTNAME_UNRESOLVED")
+def rule_hostname(facts: dict[str, Any], found: Found) -> list[Finding]:
+    """This machine's own name does not resolve."""
     if get(facts, "network.hostname_resolves", True) is not False:
         return []
-    return [Finding(
-        "HOSTNAME_UNRESOLVED", "warning", "This machine's host name does not resolve",
+    return [found(
+        "warning", "This machine's host name does not resolve",
         f"getaddrinfo({get(facts, 'network.hostname')!r}): {get(facts, 'network.resolve_error')}",
         "Multi-node rendezvous advertises host names: add the name to /etc/hosts or DNS, or pass "
         "IP addresses (MASTER_ADDR, --rdzv-endpoint).",
         "torch elastic rendezvous docs (c10d endpoint host names)")]
 
 
-RULES: tuple[Callable[[dict[str, Any]], list[Finding]], ...] = (
-    rule_kernel, rule_torch_driver, rule_cpu_build, rule_visible_devices, rule_cuda_initialized,
-    rule_mixed_models, rule_shm, rule_nccl_env, rule_rtx40, rule_accelerate_config, rule_port,
-    rule_omp, rule_pcie, rule_throttle, rule_ecc, rule_gpu_errors, rule_nvml, rule_no_gpu,
-    rule_torch_probe, rule_hostname,
-)
-CODES = ("KERNEL_BELOW_5_5", "TORCH_CUDA_DRIVER_MISMATCH", "TORCH_CPU_BUILD_WITH_GPUS",
-         "CUDA_VISIBLE_DEVICES_INVALID", "CUDA_INITIALIZED_BEFORE_LAUNCH", "MIXED_GPU_MODELS",
-         "SHM_TOO_SMALL", "NCCL_ENV_SUSPICIOUS", "RTX40_P2P_DRIVER", "ACCELERATE_CONFIG_MISMATCH",
-         "PORT_IN_USE", "OMP_THREADS_OVERSUBSCRIBED", "PCIE_LINK_DEGRADED", "GPU_THROTTLED",
-         "ECC_ERRORS", "GPU_QUERY_FAILED", "NVML_UNAVAILABLE", "NO_GPU", "TORCH_PROBE_FAILED",
-         "HOSTNAME_UNRESOLVED")
+# Every rule above, in the order declared: derived from the registry, so no list can miss one.
+RULES: tuple[Rule, ...] = tuple(REGISTRY.values())
+CODES: tuple[str, ...] = tuple(REGISTRY)
 
 
 def evaluate(facts: dict[str, Any]) -> list[Finding]:
     """Every rule over ``facts``; findings sorted by severity (errors first), then code."""
     findings: list[Finding] = []
-    for rule in RULES:
+    for check in REGISTRY.values():
         try:
-            findings += rule(facts)
+            findings += check(facts)
         except Exception as exc:  # noqa: BLE001 - odd facts from another machine never crash
-            findings.append(Finding("AUDIT_RULE_FAILED", "warning", f"{rule.__name__} failed",
+            findings.append(Finding("AUDIT_RULE_FAILED", "warning", f"{check.__name__} failed",
                                     f"{type(exc).__name__}: {exc}", "Report this facts file as a "
-                                    "bug of helpers.audit.", "helpers.audit_rules"))
+                                    "bug of helpers.audit.", "helpers.audit.rules"))
     return sorted(findings, key=lambda f: (SEVERITIES.index(f.severity), f.code, f.title))

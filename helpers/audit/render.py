@@ -10,7 +10,7 @@ import json
 from typing import Any
 
 from helpers import report
-from helpers.audit_rules import get
+from helpers.audit.rules import get
 
 SEVERITY_COLORS = {"error": "#f8d0d0", "warning": "#fbe9c0", "info": "#dde9f7"}
 STYLE = """
@@ -204,3 +204,9 @@ def fleet_document(fleet: Any) -> str:
         parts.append(findings_html(node["findings"]))
     parts.append("</body></html>\n")
     return "".join(parts)
+
+
+def diff_document(diff: Any) -> str:
+    """``python -m helpers diff --html``'s page: the differences table alone, self-contained."""
+    return (f"<!DOCTYPE html><html><head><meta charset='utf-8'><style>{STYLE}</style></head>"
+            f"<body><h1>Differences</h1>{diff_html(diff)}</body></html>\n")

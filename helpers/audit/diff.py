@@ -16,7 +16,8 @@ from pathlib import Path
 from typing import Any
 
 from helpers import report
-from helpers.audit_rules import evaluate, get
+from helpers.audit import render
+from helpers.audit.rules import evaluate, get
 
 ABSENT = "(absent)"
 # per-process or per-node identity: differs by design between the machines of one job
@@ -129,9 +130,7 @@ class DiffResult(report.ResultMixin):
         return "\n\n".join(parts)
 
     def _repr_html_(self) -> str:
-        from helpers.audit_render import diff_html
-
-        return diff_html(self)
+        return render.diff_html(self)
 
 
 def diff_machines(machines: Sequence[Machine]) -> DiffResult:
