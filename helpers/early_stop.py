@@ -36,6 +36,10 @@ if TYPE_CHECKING:
 
     from helpers.doctor import Diagnosis
 
+__all__ = ["LOOPS", "SKIPPED", "VARIANTS", "EarlyStopOutcome", "EarlyStopRun", "LoopCheck", "LoopLint",
+           "RankEnd", "check_config", "lint_loops", "outcome", "panel", "run_broken", "run_fixed", "run_loop",
+           "swimlane"]
+
 VARIANTS = ("fixed", "broken")
 SCENARIO = "early-stop"
 STEPS_AFTER_STOP = 3  # steps the loop would still run after stop_step, so that leaving early diverges

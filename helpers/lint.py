@@ -37,6 +37,8 @@ from pathlib import Path
 from helpers import cli, collectives, report
 from helpers.params import NB_EARLY_STOP, NB_REPRO, NB_SMOKE
 
+__all__ = ["RULES", "Finding", "LintResult", "LintUsageError", "cli_main", "lint_paths", "lint_source"]
+
 # code -> the remedy, naming the notebook that teaches it (by its path, as the doctor's fixes do)
 RULES: dict[str, str] = {
     "MAIN_ONLY_COLLECTIVE": (

@@ -36,6 +36,10 @@ from typing import Any
 from helpers import cli, params, report
 from helpers.report import Outcome, ResultMixin
 
+__all__ = ["BANDWIDTH_OPS", "LauncherCheck", "SmokeResult", "bandwidth_gbps", "bus_factor", "check_config",
+           "check_notebook_launcher", "cli_main", "distributed_main", "message_sizes", "panel", "rank_info",
+           "run_smoke", "smoke_rank"]
+
 BANDWIDTH_OPS = ("all_reduce", "all_gather_into_tensor", "reduce_scatter_tensor", "broadcast")
 MIN_SIZE_BYTES = 1024
 WARMUP_ITERS = 2
