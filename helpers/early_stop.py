@@ -13,6 +13,10 @@ on forked ranks under the hang doctor (``helpers.doctor``):
 ``lint_loops()`` shows the static check (``helpers.lint``) finding the same bug before anything
 runs. Cross-parameter checks (``stop_rank`` below ``num_processes``) happen here, before any
 process starts.
+
+Notebook 05 makes one call per cell: ``check_config``, ``lint_loops``, ``run_broken`` (a ``Note``
+when ``show_hang`` is False: whether to skip is decided here, not in the notebook), ``swimlane``,
+``run_fixed``, and ``outcome`` for the last cell. The panel calls ``run_loop`` with its widgets' values.
 """
 
 from __future__ import annotations
@@ -22,14 +26,26 @@ import html
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from helpers import params, report
+from helpers.report import Note, Outcome
+
+if TYPE_CHECKING:
+    from matplotlib.figure import Figure
+
+    from helpers.doctor import Diagnosis
+
+__all__ = ["LOOPS", "SKIPPED", "VARIANTS", "EarlyStopOutcome", "EarlyStopRun", "LoopCheck", "LoopLint",
+           "RankEnd", "check_config", "lint_loops", "outcome", "panel", "run_broken", "run_fixed", "run_loop",
+           "swimlane"]
 
 VARIANTS = ("fixed", "broken")
 SCENARIO = "early-stop"
 STEPS_AFTER_STOP = 3  # steps the loop would still run after stop_step, so that leaving early diverges
 DEADLINE_MARGIN_S = 90.0  # start-up and evidence gathering on top of stall_s
+ConfigT = TypeVar("ConfigT", bound=Mapping[str, Any])
+SKIPPED = "broken loop: skipped (show_hang is False)"
 AMBIGUOUS = ("(At step 0 the other rank waits in forward(), in the broadcast DDP issues on its second "
              "iteration, not in backward(); with 2 ranks neither rank's collective was seen before and "
              "there is no majority, so the doctor names both ranks.)")
@@ -39,11 +55,13 @@ AMBIGUOUS = ("(At step 0 the other rank waits in forward(), in the broadcast DDP
 # parameters
 
 
-def check_parameters(cfg: Mapping[str, Any]) -> None:
-    """Cross-parameter checks of validated parameters; ValueError naming the parameter.
+def check_config(cfg: ConfigT) -> ConfigT:
+    """Cross-parameter checks of validated parameters; returns ``cfg``, or ValueError naming the
+    parameter.
 
     ``num_processes`` must be at least 2 (one rank has nobody to wait for), ``stop_rank`` below
-    ``num_processes`` and ``variant`` (when given) one of ``VARIANTS``.
+    ``num_processes`` and ``variant`` (when given) one of ``VARIANTS``. Notebook 05:
+    ``cfg = early_stop.check_config(params.validate(...))``.
     """
     num_processes = cfg["num_processes"]
     if num_processes < 2:
@@ -56,6 +74,7 @@ def check_parameters(cfg: Mapping[str, Any]) -> None:
     variant = cfg.get("variant", VARIANTS[0])
     if variant not in VARIANTS:
         raise ValueError(f"variant must be one of {', '.join(map(repr, VARIANTS))}; got {variant!r}")
+    return cfg
 
 
 def _validated(num_processes: Any, stop_rank: Any, stop_step: Any, stall_s: Any,
@@ -63,7 +82,7 @@ def _validated(num_processes: Any, stop_rank: Any, stop_step: Any, stall_s: Any,
     cfg = params.validate(num_processes=num_processes, stop_rank=stop_rank, stop_step=stop_step,
                           stall_s=stall_s)
     cfg["variant"] = variant
-    check_parameters(cfg)
+    check_config(cfg)
     return cfg
 
 
@@ -72,8 +91,11 @@ def _validated(num_processes: Any, stop_rank: Any, stop_step: Any, stall_s: Any,
 
 
 @dataclass
-class RankOutcome:
-    """How one rank of a completed run ended."""
+class RankEnd:
+    """Where one rank of a completed run left the training loop, and with which weights.
+
+    (Not the launcher's record of how a rank process ended: every rank here returned normally.)
+    """
 
     rank: int
     stopped_at: int | None  # the step at which it left the loop (None: it ran every step)
@@ -98,8 +120,8 @@ class EarlyStopRun(report.ResultMixin):
     stall_s: float
     seconds: float
     expected_kind: str
-    diagnosis: Any  # helpers.doctor.Diagnosis
-    ranks: list[RankOutcome] = field(default_factory=list)
+    diagnosis: Diagnosis
+    ranks: list[RankEnd] = field(default_factory=list)
     ok: bool = field(init=False)
     outcome: str = field(init=False)
 
@@ -171,12 +193,10 @@ class EarlyStopRun(report.ResultMixin):
         table = report.html_table(self.rows(), highlight="stopped with the others")
         return f"<div>{head}{table}</div>"
 
-    def plot(self):
+    def plot(self) -> Figure:
         """The doctor's swimlane of this run (matplotlib Figure): each rank's collectives over time."""
-        from helpers.doctor.swimlane import swimlane
-
         title = f"{self.variant} loop: {self.diagnosis.verdict} ({self.diagnosis.kind})"
-        return swimlane(self.diagnosis, title)
+        return self.diagnosis.swimlane(title)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -205,11 +225,66 @@ def run_loop(num_processes: int = 2, stop_rank: int = 1, stop_step: int = 3,
                                     timeout_s=cfg.stall_s + DEADLINE_MARGIN_S)
     seconds = round(time.monotonic() - started, 2)
     results = getattr(diagnosis, "results", None) or []
-    ranks = [RankOutcome(r["rank"], r["stopped_at"],
+    ranks = [RankEnd(r["rank"], r["stopped_at"],
                          steps if r["stopped_at"] is None else r["stopped_at"] + 1, r["weights"])
              for r in results]
     return EarlyStopRun(cfg.variant, cfg.num_processes, cfg.stop_rank, cfg.stop_step, steps,
                         cfg.stall_s, seconds, scenario.expected["launch"].kind, diagnosis, ranks)
+
+
+def run_broken(cfg: Mapping[str, Any]) -> EarlyStopRun | Note:
+    """Notebook 05's hang step: the broken loop under the doctor, or a ``Note`` when
+    ``cfg["show_hang"]`` is False (the step is skipped)."""
+    if not cfg.get("show_hang", True):
+        return Note(SKIPPED)
+    return run_loop(variant="broken", **_loop_values(cfg))
+
+
+def run_fixed(cfg: Mapping[str, Any]) -> EarlyStopRun:
+    """Notebook 05's fix step: the set_trigger/check_trigger loop with the same ranks and step."""
+    return run_loop(variant="fixed", **_loop_values(cfg))
+
+
+def _loop_values(cfg: Mapping[str, Any]) -> dict[str, Any]:
+    return {name: cfg[name] for name in ("num_processes", "stop_rank", "stop_step", "stall_s")}
+
+
+def swimlane(run: EarlyStopRun | Note) -> Figure | Note:
+    """The swimlane of a run (``EarlyStopRun.plot``), or a ``Note`` when the run was skipped."""
+    if isinstance(run, Note):
+        return Note("show_hang is False: the broken run was skipped, so there is no swimlane to draw")
+    return run.plot()
+
+
+@dataclass(repr=False)
+class EarlyStopOutcome(Outcome):
+    """Notebook 05's outcome: the broken run diagnosed right (or skipped) and the fixed run completed.
+
+    Its JSON is ``{"broken": ..., "fixed": ...}``, with ``"broken": null`` when it was skipped.
+    """
+
+    broken: EarlyStopRun | None  # None: skipped (show_hang is False)
+    fixed: EarlyStopRun
+
+    @property
+    def ok(self) -> bool:  # type: ignore[override]
+        """The broken loop hung as expected and was diagnosed right (or was skipped), and the fixed
+        loop completed with every rank stopping together."""
+        return (self.broken is None or self.broken.diagnosed_right) and self.fixed.completed
+
+    def verdict(self) -> str:
+        """'PASS: ...' or 'FAIL: ...' with what each loop did."""
+        broken = f"{SKIPPED}." if self.broken is None else self.broken.summary()
+        return f"{'PASS' if self.ok else 'FAIL'}: {broken} {self.fixed.summary()}"
+
+    def __repr__(self) -> str:
+        return f"EarlyStopOutcome({self.verdict()})"
+
+
+def outcome(broken: EarlyStopRun | Note, fixed: EarlyStopRun) -> EarlyStopOutcome:
+    """Notebook 05's last cell: ``broken`` from ``run_broken`` (a Note when skipped), ``fixed`` from
+    ``run_fixed``."""
+    return EarlyStopOutcome(None if isinstance(broken, Note) else broken, fixed)
 
 
 def panel(cfg: params.Config):

@@ -30,18 +30,16 @@ import html
 import importlib.util
 import json
 import re
-import sys
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from helpers import report
+from helpers import cli, collectives, report
+from helpers.params import NB_EARLY_STOP, NB_REPRO, NB_SMOKE
 
-NB_REPRO = "notebook 02_minimal_repro_builder"
-NB_LAUNCH = "notebook 03_smoke_test"
-NB_EARLY_STOP = "notebook 05_early_stop_sync"
+__all__ = ["RULES", "Finding", "LintResult", "LintUsageError", "cli_main", "lint_paths", "lint_source"]
 
-# code -> the remedy, naming the notebook that teaches it
+# code -> the remedy, naming the notebook that teaches it (by its path, as the doctor's fixes do)
 RULES: dict[str, str] = {
     "MAIN_ONLY_COLLECTIVE": (
         "Call it on every rank, outside the rank-only block, and keep only rank-only work (printing, "
@@ -64,7 +62,7 @@ RULES: dict[str, str] = {
     "CUDA_BEFORE_LAUNCH": (
         "Move it inside the function you pass to notebook_launcher, restart the kernel and run again: "
         "the launcher forks, and the forked ranks cannot use CUDA (or an Accelerator) set up in the "
-        f"notebook process. {NB_LAUNCH} runs notebook_launcher the safe way."
+        f"notebook process. {NB_SMOKE} runs notebook_launcher the safe way."
     ),
 }
 SAVE_FIX = ("To save: every rank calls wait_for_everyone() and get_state_dict()/save_model(), then "
@@ -73,12 +71,10 @@ TRIGGER_FIX = f"The early-stopping API is set_trigger()/check_trigger(), shown i
 
 # --- what counts as a collective ------------------------------------------------------------------
 
+# torch.distributed functions every rank of the group must call: the one table (helpers.collectives)
 DIST_COLLECTIVES = {
     name: "is a barrier" if name.endswith("barrier") else "is a torch.distributed collective"
-    for name in ("all_reduce", "all_gather", "all_gather_into_tensor", "all_gather_object", "all_to_all",
-                 "all_to_all_single", "barrier", "monitored_barrier", "broadcast", "broadcast_object_list",
-                 "gather", "gather_object", "reduce", "reduce_scatter", "reduce_scatter_tensor", "scatter",
-                 "scatter_object_list", "new_group")
+    for name in sorted(collectives.COLLECTIVES)
 }
 # accelerate.utils functions and Accelerator methods (accelerate/utils/operations.py, accelerator.py)
 ACCELERATE_UTIL_COLLECTIVES = {
@@ -249,19 +245,17 @@ def cli_main(argv: Sequence[str]) -> int:
                     "(nothing is run). Exit 0: clean, 1: findings, 2: bad usage.")
     parser.add_argument("paths", nargs="+", metavar="PATH", help="Python files, notebooks or folders")
     parser.add_argument("--json", metavar="PATH", help='write {"findings": [...]} to this file')
-    try:
-        args = parser.parse_args(list(argv))
-    except SystemExit as exc:  # argparse exits 2 on bad usage, 0 on --help
-        return int(exc.code or 0)
+    args = cli.parse(parser, list(argv))
+    if isinstance(args, int):
+        return args
     try:
         result = lint_paths(args.paths)
     except LintUsageError as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 2
+        return cli.usage_error(str(exc))
     print(result.text())
     if args.json:
         result.to_json(args.json)
-    return 0 if result.ok else 1
+    return cli.EXIT_OK if result.ok else cli.EXIT_PROBLEM
 
 
 # --- reading files ---------------------------------------------------------------------------------
@@ -691,7 +685,7 @@ class _Module:
         key = (name, args_vary)
         if key not in self._returns:
             self._returns[key] = False  # recursion: assume synchronised while computing
-            self._returns[key] = any(_Flow(self, fn, params_vary=args_vary, report=False).returns_vary
+            self._returns[key] = any(_Flow(self, fn, params_vary=args_vary, emit=False).returns_vary
                                      for fn in self.functions[name])
         return self._returns[key]
 
@@ -961,8 +955,9 @@ class _Flow:
     loop that runs collectives, taken on such a value, are DIVERGENT_BREAK findings.
     """
 
-    def __init__(self, mod: _Module, scope: ast.AST, params_vary: bool = False, report: bool = True):
-        self.mod, self.report = mod, report
+    def __init__(self, mod: _Module, scope: ast.AST, params_vary: bool = False, emit: bool = True):
+        # emit=False: only work out whether the scope's return value varies (no findings)
+        self.mod, self.emit = mod, emit
         self.loops: list[_Loop] = []
         self.guards: list[_Guard] = []
         self.raws: list[_Raw] = []
@@ -1191,7 +1186,7 @@ class _Flow:
 
     def while_exit(self, node: ast.While, loop: _Loop, state: set[str]) -> None:
         why = self.why(node.test, state)
-        if self.report and why and loop.first:
+        if self.emit and why and loop.first:
             op, call = loop.first
             self.raws.append(_Raw(
                 "DIVERGENT_BREAK", node,
@@ -1202,7 +1197,7 @@ class _Flow:
     def exit(self, node: ast.Break | ast.Continue | ast.Return, state: set[str]) -> None:
         if isinstance(node, ast.Return) and (self.control() or (node.value and self.why(node.value, state))):
             self.returns_vary = True
-        if not self.report:
+        if not self.emit:
             return
         word = type(node).__name__.lower()
         if isinstance(node, ast.Return):

@@ -11,6 +11,12 @@ sizes reports time, algbw and busbw with the nccl-tests formulas. The same code 
 ``run_smoke`` also calls accelerate's own ``notebook_launcher`` the way users call it, in a guarded
 child, and reports what its ranks see (the CPU trap: on a machine without GPUs, a plain
 ``Accelerator()`` under notebook_launcher gives independent world-size-1 copies).
+
+No hang doctor watches the smoke test, by choice: the bandwidth sweep must measure what training
+sees, so no tracer or Flight Recorder runs in it (the tracer's budget is 20 µs a call,
+bench/doctor_bench.py, a real share of a 1 KiB all_reduce). A hang is still stopped at the deadline,
+and its ``LaunchTimeout`` carries every rank's stack. ``SmokeResult`` is notebook 03's outcome
+(``helpers.report.Outcome``: ``ok``, ``verdict()``, ``save()``).
 """
 
 from __future__ import annotations
@@ -28,7 +34,11 @@ from pathlib import Path
 from typing import Any
 
 from helpers import cli, params, report
-from helpers.report import ResultMixin
+from helpers.report import Outcome, ResultMixin
+
+__all__ = ["BANDWIDTH_OPS", "LauncherCheck", "SmokeResult", "bandwidth_gbps", "bus_factor", "check_config",
+           "check_notebook_launcher", "cli_main", "distributed_main", "message_sizes", "panel", "rank_info",
+           "run_smoke", "smoke_rank"]
 
 BANDWIDTH_OPS = ("all_reduce", "all_gather_into_tensor", "reduce_scatter_tensor", "broadcast")
 MIN_SIZE_BYTES = 1024
@@ -306,8 +316,10 @@ def check_notebook_launcher(num_processes: int, timeout_s: float) -> LauncherChe
         result.ok = True
         return result
     try:
+        # no watcher: the child has no process group of ours to trace; its deadline stops a hang
         [seen] = launch(_call_notebook_launcher, (num_processes, free_port()), num_processes=1,
-                        timeout_s=timeout_s, init_group=False, env={"ACCELERATE_USE_CPU": "false"})
+                        timeout_s=timeout_s, init_group=False, env={"ACCELERATE_USE_CPU": "false"},
+                        watchers=())
     except LaunchError as exc:
         result.error = str(exc).splitlines()[0]
         return result
@@ -325,9 +337,21 @@ def check_notebook_launcher(num_processes: int, timeout_s: float) -> LauncherChe
 # the whole smoke test from a notebook or the CLI
 
 
+def check_config(cfg: params.Config) -> params.Config:
+    """Notebook 03's validation step; returns ``cfg``.
+
+    Nothing to check across parameters (``params.validate`` checks each one alone); it exists so
+    that every notebook validates the same way: ``cfg = smoke.check_config(params.validate(...))``.
+    """
+    return cfg
+
+
 @dataclass
-class SmokeResult(ResultMixin):
-    """Verdict, checks, bandwidth and per-rank facts of one smoke test."""
+class SmokeResult(Outcome):
+    """Verdict, checks, bandwidth and per-rank facts of one smoke test: notebook 03's outcome.
+
+    ``ok``: every collective correct on the ranks asked for, and notebook_launcher's check passed.
+    """
 
     ok: bool
     world_size: int
@@ -410,8 +434,9 @@ def run_smoke(num_processes: int = 2, max_size_mib: int = 16, timeout_s: float =
     cfg = params.validate(num_processes=num_processes, max_size_mib=max_size_mib, timeout_s=timeout_s)
     started = time.monotonic()
     try:
+        # no hang doctor (see the module docstring): the sweep measures untraced collectives
         per_rank = launch(smoke_rank, (cfg.max_size_mib,), num_processes=cfg.num_processes,
-                          timeout_s=cfg.timeout_s)
+                          timeout_s=cfg.timeout_s, watchers=())
     except LaunchError as exc:
         return SmokeResult(False, cfg.num_processes, "", "", [], [], [],
                            time.monotonic() - started, error=str(exc))
@@ -420,9 +445,18 @@ def run_smoke(num_processes: int = 2, max_size_mib: int = 16, timeout_s: float =
     if check_launcher:
         remaining = max(cfg.timeout_s - (time.monotonic() - started), 5.0)
         launcher = check_notebook_launcher(cfg.num_processes, remaining)
-    ok = all(c["ok"] for c in first["checks"]) and (launcher is None or launcher.ok)
+    error = _group_size_problem(cfg.num_processes, first["world_size"])
+    ok = error is None and all(c["ok"] for c in first["checks"]) and (launcher is None or launcher.ok)
     return SmokeResult(ok, first["world_size"], first["backend"], first["device"], first["checks"],
-                       first["bandwidth"], first["ranks"], time.monotonic() - started, launcher)
+                       first["bandwidth"], first["ranks"], time.monotonic() - started, launcher, error)
+
+
+def _group_size_problem(asked: int, world_size: int) -> str | None:
+    """Why a group of ``world_size`` ranks is not the ``asked`` one (None when it is)."""
+    if world_size == asked:
+        return None
+    ranks = f"{world_size} rank{'s' * (world_size != 1)}"
+    return f"num_processes={asked} asked, but the process group has {ranks}"
 
 
 def panel(cfg: params.Config):
@@ -451,7 +485,9 @@ def cli_main(argv: list[str]) -> int:
     cli.add_param(parser, "timeout_s", 60.0)
     parser.add_argument("--no-launcher-check", action="store_true",
                         help="skip calling accelerate's notebook_launcher")
-    args = parser.parse_args(argv)
+    args = cli.parse(parser, argv)
+    if isinstance(args, int):
+        return args
     result = run_smoke(args.num_processes, args.max_size_mib, args.timeout_s,
                        check_launcher=not args.no_launcher_check)
     print(result.summary())
@@ -467,7 +503,9 @@ def distributed_main(argv: list[str] | None = None) -> int:
     import torch
     import torch.distributed as dist
 
-    args = _parser("python -m helpers.smoke").parse_args(argv)
+    args = cli.parse(_parser("python -m helpers.smoke"), sys.argv[1:] if argv is None else argv)
+    if isinstance(args, int):
+        return args
     backend = "nccl" if torch.cuda.is_available() else "gloo"
     if backend == "nccl":
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))

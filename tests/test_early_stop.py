@@ -7,7 +7,7 @@ import time
 
 import pytest
 
-from helpers import early_stop, params, scenarios
+from helpers import early_stop, params, report, scenarios
 from helpers.doctor import Diagnosis, RankReport
 
 SCRIPT = scenarios.get("early-stop")
@@ -31,13 +31,13 @@ def test_bad_parameters_are_refused_before_any_process_starts(values, message, l
     leftovers.check()
 
 
-def test_check_parameters_on_a_notebook_config():
+def test_check_config_on_a_notebook_config():
     cfg = params.validate(num_processes=3, stop_rank=2, stop_step=0, stall_s=5, show_hang=True,
                           results_path="")
-    early_stop.check_parameters(cfg)  # fine: rank 2 of 3
+    assert early_stop.check_config(cfg) is cfg  # fine: rank 2 of 3
     cfg["stop_rank"] = 3
     with pytest.raises(ValueError, match=r"^stop_rank must be an integer in 0\.\.2 .*got 3$"):
-        early_stop.check_parameters(cfg)
+        early_stop.check_config(cfg)
 
 
 def test_broken_loop_is_diagnosed_with_the_stopping_rank(leftovers):
@@ -98,11 +98,39 @@ def test_two_ranks_stopping_at_step_0_expect_both_ranks_named():
 
 
 def test_a_fixed_run_with_ranks_at_different_steps_is_not_completed():
-    ranks = [early_stop.RankOutcome(0, 3, 4, 1.0), early_stop.RankOutcome(1, None, 6, 2.0)]
+    ranks = [early_stop.RankEnd(0, 3, 4, 1.0), early_stop.RankEnd(1, None, 6, 2.0)]
     run = early_stop.EarlyStopRun("fixed", 2, 1, 3, 6, 5.0, 1.0, "collective-mismatch",
                                   _diagnosis("ok", "ok", []), ranks)
     assert not run.ok and not run.completed and not run.same_weights
     assert "did NOT complete" in run.summary()
+
+
+def test_skipped_broken_run_is_a_note_and_the_outcome_is_ok(tmp_path, leftovers):
+    cfg = early_stop.check_config(params.validate(num_processes=2, stop_rank=1, stop_step=2, stall_s=5,
+                                                  show_hang=False, results_path=str(tmp_path / "r.json")))
+    broken = early_stop.run_broken(cfg)  # nothing runs
+    assert isinstance(broken, report.Note) and broken.message == early_stop.SKIPPED
+    assert isinstance(early_stop.swimlane(broken), report.Note)
+    fixed = early_stop.run_fixed(cfg)  # real ranks
+    result = early_stop.outcome(broken, fixed)
+    assert isinstance(result, report.Outcome) and result.ok, result.verdict()
+    assert result.verdict().startswith(f"PASS: {early_stop.SKIPPED}. fixed loop on 2 ranks")
+    data = json.loads(result.save(cfg.results_path).read_text())
+    assert list(data) == ["broken", "fixed"] and data["broken"] is None  # as notebook 05 always wrote
+    assert data["fixed"]["ok"] is True and [r["stopped_at"] for r in data["fixed"]["ranks"]] == [2, 2]
+    leftovers.check()
+
+
+def test_outcome_fails_when_the_broken_run_is_diagnosed_wrong():
+    ranks = [early_stop.RankEnd(0, 3, 4, 1.0), early_stop.RankEnd(1, 3, 4, 1.0)]
+    fixed = early_stop.EarlyStopRun("fixed", 2, 1, 3, 6, 5.0, 1.0, "collective-mismatch",
+                                    _diagnosis("ok", "ok", []), ranks)
+    wrong = early_stop.EarlyStopRun("broken", 2, 1, 3, 6, 5.0, 1.0, "collective-mismatch",
+                                    _diagnosis("hang", "rank-missing", [1]))
+    assert early_stop.outcome(report.Note("skipped"), fixed).ok
+    result = early_stop.outcome(wrong, fixed)
+    assert not result.ok and result.verdict().startswith("FAIL: broken loop")
+    assert "NOT as expected" in result.verdict()
 
 
 def test_lint_flags_the_broken_loops_and_none_of_the_fixes():

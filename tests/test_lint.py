@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from helpers import lint
+from helpers import collectives, lint, params
 
 REPO = Path(__file__).resolve().parent.parent
 FIXTURES = REPO / "tests" / "fixtures" / "lint"
@@ -144,14 +144,15 @@ def test_finding_fields_and_fix_name_the_notebook():
     assert (finding.code, finding.line, finding.cell) == ("DIVERGENT_BREAK", 27, None)
     assert finding.file.endswith("divergent_break_bad.py")
     assert "loss.item() < 0.001" in finding.message and "accelerator.backward" in finding.message
-    assert "set_trigger" in finding.fix and "check_trigger" in finding.fix and "notebook 05" in finding.fix
+    assert "set_trigger" in finding.fix and "check_trigger" in finding.fix
+    assert params.NB_EARLY_STOP in finding.fix  # the notebook's path, as the doctor's fixes name it
     assert finding.where == f"{finding.file}:27"
     for found in lint.lint_paths(FIXTURES / "one_sided_barrier_bad.py").findings:
-        assert "notebook 02" in found.fix
+        assert params.NB_REPRO in found.fix
     api_findings = lint.lint_paths(FIXTURES / "nonexistent_api_bad.py").findings
     fixes = {f.message.split("`")[1]: f.fix for f in api_findings}
     assert fixes["accelerator.set_breakpoint"].startswith("Use `accelerator.set_trigger`.")
-    assert "notebook 05" in fixes["accelerator.check_breakpoint"]
+    assert params.NB_EARLY_STOP in fixes["accelerator.check_breakpoint"]
     assert fixes["self.accelerator.world_size"] == "Use `self.accelerator.num_processes`."
 
 
@@ -224,8 +225,17 @@ def test_cli_imports_neither_torch_nor_accelerate():
                           capture_output=True, text=True, cwd=REPO, timeout=60)
     assert proc.returncode == 1, proc.stderr[-2000:]
     assert "CUDA_BEFORE_LAUNCH" in proc.stdout
-    modules = {line.split("|")[-1].strip().split(".")[0] for line in proc.stderr.splitlines() if "|" in line}
+    names = {line.split("|")[-1].strip() for line in proc.stderr.splitlines() if "|" in line}
+    modules = {name.split(".")[0] for name in names}
     assert "helpers" in modules and not modules & {"torch", "accelerate", "numpy"}
+    assert not names & {"helpers.launch", "helpers.trace", "helpers.doctor"}, "lint stays a light leaf user"
+
+
+def test_torch_distributed_collectives_are_the_one_table():
+    assert set(lint.DIST_COLLECTIVES) == collectives.COLLECTIVES
+    assert lint.DIST_COLLECTIVES["monitored_barrier"] == "is a barrier"
+    assert lint.DIST_COLLECTIVES["all_to_all_single"] == "is a torch.distributed collective"
+    assert not set(lint.DIST_COLLECTIVES) & collectives.P2P_OPS  # one peer: not every rank calls it
 
 
 def test_two_thousand_lines_in_well_under_a_second():

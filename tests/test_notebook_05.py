@@ -60,6 +60,7 @@ def test_bad_stop_rank_stops_at_validation(tmp_path, leftovers):
         run_notebook(NOTEBOOK, tmp_path, {"num_processes": 2, "stop_rank": 2})
     message = "stop_rank must be an integer in 0..1 (a rank below num_processes=2); got 2"
     assert info.value.ename == "ValueError" and message in info.value.evalue
-    assert "cfg = params.validate(" in info.value.source, "the validation cell must be the one that stops"
+    assert "cfg = early_stop.check_config(params.validate(" in info.value.source, \
+        "the validation cell must be the one that stops"
     assert time.monotonic() - started < 60
     leftovers.check()

@@ -10,7 +10,7 @@ import sys
 import pytest
 import torch
 
-from helpers import smoke
+from helpers import params, report, smoke
 from helpers.launch import free_port
 
 
@@ -78,6 +78,29 @@ def test_smoke_on_two_ranks_flags_notebook_launchers_cpu_trap(leftovers):
     leftovers.check()  # includes /tmp/torchelastic_*: notebook_launcher's folder is removed
 
 
+def test_the_result_is_notebook_03s_outcome(tmp_path, leftovers):
+    path = tmp_path / "smoke.json"
+    cfg = smoke.check_config(params.validate(num_processes=2, max_size_mib=1, timeout_s=60,
+                                             results_path=str(path)))
+    result = smoke.run_smoke(cfg.num_processes, cfg.max_size_mib, cfg.timeout_s, check_launcher=False)
+    assert isinstance(result, report.Outcome) and result.ok, result.summary()
+    assert result.verdict() == "PASS: 8 collectives correct on 2 ranks (gloo, cpu)"
+    assert result.save(cfg.results_path) == path and result.save("") is None
+    data = json.loads(path.read_text())
+    assert list(data) == ["ok", "world_size", "backend", "device", "checks", "bandwidth", "ranks",
+                          "seconds", "launcher", "error"]  # the keys notebook 03 has always written
+    assert data["ok"] is True and data["world_size"] == 2 and data["error"] is None
+    leftovers.check()
+
+
+def test_a_group_of_another_size_than_asked_is_a_failure():
+    assert smoke._group_size_problem(2, 2) is None
+    problem = smoke._group_size_problem(2, 1)
+    assert problem == "num_processes=2 asked, but the process group has 1 rank"
+    result = smoke.SmokeResult(False, 1, "gloo", "cpu", [], [], [], 1.0, error=problem)
+    assert result.verdict() == f"FAIL: {problem}"
+
+
 def _cli(*args: str, env: dict | None = None) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-m", "helpers", "smoke", *args], capture_output=True,
                           text=True, timeout=120, env=env)
@@ -111,6 +134,15 @@ def test_cli_bad_usage_exits_2_naming_the_argument(args, named):
     proc = _cli(*args)
     assert proc.returncode == 2
     assert named in proc.stderr and "must be" in proc.stderr
+
+
+def test_torchrun_entry_point_exits_2_on_bad_usage_and_0_on_help():
+    bad = subprocess.run([sys.executable, "-m", "helpers.smoke", "--max-size-mib", "0"],
+                         capture_output=True, text=True, timeout=60)
+    assert bad.returncode == 2 and "--max-size-mib" in bad.stderr
+    shown = subprocess.run([sys.executable, "-m", "helpers.smoke", "--help"],
+                           capture_output=True, text=True, timeout=60)
+    assert shown.returncode == 0 and "usage: python -m helpers.smoke" in shown.stdout
 
 
 def test_two_torchrun_nodes_on_loopback(tmp_path, leftovers):

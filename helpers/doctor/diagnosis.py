@@ -107,11 +107,11 @@ class Diagnosis(report.ResultMixin):
                 f"<p>{html.escape(self.summary)}</p>{table}"
                 f"<p><b>Fix:</b> {html.escape(self.fix)}</p></div>")
 
-    def swimlane(self):
+    def swimlane(self, title: str | None = None):
         """A matplotlib Figure: one lane per rank, collectives as boxes, the divergence marked."""
         from helpers.doctor.swimlane import swimlane
 
-        return swimlane(self)
+        return swimlane(self, title)
 
 
 def diagnose(views: dict[int, RankView], num_processes: int, reason: str,
