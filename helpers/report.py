@@ -148,11 +148,11 @@ class Outcome(ResultMixin):
         raise NotImplementedError
 
     def save(self, results_path: str | Path) -> Path | None:
-        """Write this outcome's JSON atomically to ``results_path`` (a notebook parameter: relative
-        paths resolve against the repository root); do nothing when it is empty."""
+        """Write this outcome's JSON (``to_dict()``) atomically to ``results_path`` (a notebook
+        parameter: relative paths resolve against the repository root); nothing when it is empty."""
         if not results_path:
             return None
-        return atomic_write_json(params.resolve_path(results_path), self)
+        return atomic_write_json(params.resolve_path(results_path), self.to_dict())
 
 
 KNOWN_NOISE = (

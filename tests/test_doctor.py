@@ -270,3 +270,35 @@ def test_a_rank_dying_inside_a_collective_after_a_peer_died_is_not_a_second_culp
     assert _exited_culprits(positions) == [1]
     positions[1] = Position(1, "exited", op=waiting, seq=4, exit_code=-9, abnormal=True)
     assert _exited_culprits(positions) == [1, 2], "with no death outside a collective, name both"
+
+
+_HANG_FOREVER = """
+import os, pathlib, time
+import torch.distributed as dist
+dist.init_process_group("gloo")
+pathlib.Path(os.environ["READY_DIR"], f"ready-{dist.get_rank()}").touch()
+if dist.get_rank() == 1:
+    while True:
+        time.sleep(0.05)  # never reaches the barrier; gloo's own timeout is 30 minutes
+dist.barrier()
+"""
+
+
+def test_a_torchrun_run_past_its_deadline_leaves_no_worker(tmp_path, monkeypatch, leftovers):
+    # torchrun starts its workers in sessions of their own: stopping torchrun alone orphans them
+    script = tmp_path / "hang_forever.py"
+    script.write_text(_HANG_FOREVER)
+    monkeypatch.setenv("READY_DIR", str(tmp_path))
+    code, diagnosis, _output = doctor.run_torchrun([str(script)], tmp_path / "trace", 2, timeout_s=25)
+    assert code is None, "the run must be stopped at its deadline"
+    assert {p.name for p in tmp_path.glob("ready-*")} == {"ready-0", "ready-1"}, "the workers never ran"
+    workers = [p for p in psutil.process_iter(["cmdline"])
+               if str(script) in " ".join(p.info["cmdline"] or [])]
+    assert not workers, f"workers left running: {[(p.pid, p.info['cmdline']) for p in workers]}"
+    found = (diagnosis.verdict, diagnosis.kind, diagnosis.ranks)
+    assert found == ("hang", "rank-missing", [1]), diagnosis.text()
+    assert diagnosis.per_rank[0].op == "barrier"
+    sleep_line = next(n for n, line in enumerate(_HANG_FOREVER.splitlines(), 1) if "time.sleep" in line)
+    assert diagnosis.per_rank[1].location == f"{script.name}:{sleep_line}", diagnosis.text()
+    leftovers.check()
+

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 
 import papermill
 import pytest
@@ -37,3 +38,23 @@ def test_anatomy(path, caplog):
         assert info["help"], f"{name} needs a help comment"
     title = "".join(nb["cells"][0]["source"])
     assert nb["cells"][0]["cell_type"] == "markdown" and title.startswith("# ")
+
+
+def _code_cells(nb: dict) -> list[str]:
+    return ["".join(cell["source"]) for cell in nb["cells"] if cell["cell_type"] == "code"]
+
+
+@pytest.mark.parametrize("path", ALL, ids=lambda p: p.name)
+def test_one_validation_shape_and_one_ending(path):
+    """The cell after the parameters validates them in one shape; the last cell ends in one shape."""
+    cells = _code_cells(json.loads(path.read_text()))
+    declared = set(papermill.inspect_notebook(str(path)))
+    validation = cells[1]
+    match = re.search(r"cfg = (\w+)\.check_config\(params\.validate\((.*?)\)\)\ncfg$", validation, re.S)
+    assert match, f"{path.name}: the validation cell is `cfg = X.check_config(params.validate(...))`, `cfg`"
+    passed = set(re.findall(r"(\w+)=\1\b", match.group(2)))
+    assert passed == declared, f"{path.name}: every parameter validated (missing {declared - passed})"
+    ending = ["result.save(cfg.results_path)", "assert result.ok, result.verdict()",
+              "print(result.verdict())"]
+    assert cells[-1].splitlines()[-3:] == ending, f"{path.name}: the last cell's ending"
+    assert re.match(r"result = \w+\.outcome\(", cells[-1]) or path.name.startswith("03_"), cells[-1]

@@ -78,6 +78,7 @@ def test_scenario_under_the_cli(scenario_id, tmp_path, leftovers):
     data = json.loads(out.read_text())
     assert done.returncode == EXIT_CODES[data["verdict"]], done.stderr[-3000:]
     assert f"doctor: {data['verdict']} ({data['kind']})" in done.stderr
+    assert "RuntimeWarning" not in done.stderr  # runpy's "found in sys.modules" (-m helpers.trace)
     check_diagnosis(data, scenario, "cli", 2)
     leftovers.check()
 

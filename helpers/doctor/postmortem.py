@@ -14,7 +14,7 @@ from helpers.doctor.records import RankView, read_folder
 
 
 def diagnose_dir(folder: str | Path, num_processes: int | None = None,
-                 exit_codes: dict[int, int] | None = None) -> Diagnosis:
+                 exit_codes: dict[int, int] | None = None, stopped: bool = False) -> Diagnosis:
     """Diagnose a finished run from its traces: a ``--keep`` folder, or one that ranks started as
     ``torchrun ... -m helpers.trace script.py`` with ``HELPERS_TRACE_DIR`` set wrote to.
 
@@ -22,6 +22,8 @@ def diagnose_dir(folder: str | Path, num_processes: int | None = None,
     SIGTERM (or whose end is unknown) while another rank failed was stopped by its launcher
     (torchrun stops every rank when one fails): it is shown where it was, not blamed.
     ``detected_after_s`` is how long the wait that failed first lasted (torch's timeout).
+    ``stopped``: the whole job was stopped from outside (a deadline): every rank without an exit
+    record is shown where it was when stopped.
     """
     ranks = rundir.traced_ranks(folder)
     num_processes = num_processes or (max(ranks) + 1 if ranks else 0)
@@ -31,8 +33,9 @@ def diagnose_dir(folder: str | Path, num_processes: int | None = None,
         view.ended = True
         view.exit_code = (exit_codes or {}).get(rank, {"finished": 0, "raised": 1}.get(status))
     for view in views.values():
-        if view.exit is None and view.exit_code in (None, -15) and _failed_elsewhere(view.rank, views):
-            view.ended = False  # stopped by the launcher after another rank failed
+        stopped_from_outside = stopped or _failed_elsewhere(view.rank, views)
+        if view.exit is None and view.exit_code in (None, -15) and stopped_from_outside:
+            view.ended = False  # stopped by the launcher (after another rank failed, or a deadline)
     all_finished = all((v.exit or {}).get("status") == "finished" for v in views.values())
     diagnosis = diagnose(views, num_processes, "finished" if all_finished else "failure",
                          _post_mortem_delay(views))

@@ -97,7 +97,7 @@ def run_torchrun(command: list[str], trace_dir: str | Path, num_processes: int =
         # is stopped (procs.run_process), not torchrun alone
         code, output, _seconds = procs.run_process(argv, timeout_s, env)
     exit_codes = torchrun_exit_codes(output)
-    return code, diagnose_dir(trace_dir, num_processes, exit_codes), output
+    return code, diagnose_dir(trace_dir, num_processes, exit_codes, stopped=code is None), output
 
 
 _TORCHRUN_FAILURE = re.compile(r"rank\s*:\s*(\d+) \(local_rank: \d+\)\s*\n\s*exitcode\s*:\s*(-?\d+)")
