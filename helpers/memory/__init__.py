@@ -67,11 +67,21 @@ from helpers.memory.explore import (
     resolve_device,
     warm_up,
 )
-from helpers.memory.notebook import budget_choices, model_choices, panel
+from helpers.memory.notebook import (
+    across_ranks_arguments,
+    across_ranks_demo,
+    batch_advice,
+    budget_choices,
+    check_config,
+    model_choices,
+    outcome,
+    panel,
+)
 from helpers.memory.results import (
     DEFAULT_REPEATS,
     DEFAULT_TOLERANCE,
     MIB,
+    BatchSizeOutcome,
     ExploreResult,
     MemoryFit,
     ModelCheck,
@@ -82,11 +92,12 @@ from helpers.memory.search import Search, fit_memory
 
 __all__ = [
     # notebook 04's steps and the CLI
-    "check_model", "probe", "explore", "across_ranks", "effective_batch", "panel", "cli_main",
+    "check_config", "check_model", "probe", "explore", "across_ranks", "across_ranks_demo",
+    "across_ranks_arguments", "effective_batch", "batch_advice", "outcome", "panel", "cli_main",
     "warm_up", "budget_choices", "model_choices",
     # result types
     "Probe", "StrategyResult", "MemoryFit", "ModelCheck", "ExploreResult", "BatchPlan",
-    "EffectiveBatchAdvice", "ProbeError",
+    "EffectiveBatchAdvice", "BatchSizeOutcome", "ProbeError",
     # the parts, for tests and the bench
     "Search", "fit_memory", "plan_devices", "resolve_device", "models",
     "MIB", "DEFAULT_REPEATS", "DEFAULT_TOLERANCE", "DEVICES",

@@ -11,9 +11,11 @@ from __future__ import annotations
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
-from helpers.report import ResultMixin, html_table, text_table, to_jsonable
+from helpers import params
+from helpers.report import Outcome, ResultMixin, atomic_write_json, html_table, text_table, to_jsonable
 
 MIB = 1 << 20
 DEFAULT_REPEATS = 3
@@ -274,6 +276,65 @@ class ExploreResult(ResultMixin):
         fig.tight_layout()
         plt.close(fig)
         return fig
+
+
+@dataclass
+class BatchSizeOutcome(Outcome):
+    """Notebook 04's outcome: the explorer's answer holds, and ranks searching together agreed.
+
+    Saved flat: every key of the explore result's JSON stays at the top level (readers of the
+    results file from before this outcome existed keep working), plus ``ok``, ``problems`` and
+    ``across_ranks`` (the agreement, or None when that step did not run).
+    """
+
+    ok: bool
+    explored: ExploreResult
+    ranks: ExploreResult | None
+    problems: list[str]
+
+    def verdict(self) -> str:
+        """One line: the answers side by side, the ranks' agreement, and any problem first."""
+        line = self.explored.verdict() + self._ranks_text()
+        return line if self.ok else "NOT OK: " + "; ".join(self.problems) + " | " + line
+
+    def _ranks_text(self) -> str:
+        search = self.ranks.search if self.ranks is not None else None
+        if search is None:
+            return ""
+        agreed = f"agreed on {search.found}" if search.agreed else f"ended with {_per_rank_text(search)}"
+        others = "".join(f"; {s.strategy} per rank {_per_rank_text(s)}"
+                         for s in self.ranks.strategies if s is not search)
+        return f" | {self.ranks.num_processes} ranks: search {agreed}{others}"
+
+    def across_ranks_entry(self) -> dict[str, Any] | None:
+        """The across-ranks step in the results file: budgets, and what each strategy's ranks found."""
+        if self.ranks is None:
+            return None
+        search = self.ranks.search
+        return {"num_processes": self.ranks.num_processes,
+                "rank_budgets_bytes": self.ranks.rank_budgets_bytes,
+                "starting_batch_size": self.ranks.starting_batch_size,
+                "agreed": search.agreed if search else None,
+                "strategies": [{"strategy": s.strategy, "found": s.found,
+                                "per_rank_found": s.per_rank_found, "agreed": s.agreed,
+                                "confirmed": s.confirmed} for s in self.ranks.strategies]}
+
+    def to_dict(self) -> dict[str, Any]:
+        """The explore result's JSON with ``ok``, ``problems`` and ``across_ranks`` added."""
+        data = self.explored.to_dict()
+        data.update(ok=self.ok, problems=self.problems, across_ranks=self.across_ranks_entry())
+        return data
+
+    def save(self, results_path: str | Path) -> Path | None:
+        """Write ``to_dict()`` atomically to ``results_path`` (relative: against the repository
+        root); nothing when it is empty. (``Outcome.save`` would nest the explore result.)"""
+        if not results_path:
+            return None
+        return atomic_write_json(params.resolve_path(results_path), self.to_dict())
+
+
+def _per_rank_text(strategy: StrategyResult) -> str:
+    return ", ".join(str(found) for found in strategy.per_rank_found)
 
 
 _COLORS = {"search": "tab:blue", "accelerate": "tab:orange"}
