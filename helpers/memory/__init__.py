@@ -43,9 +43,10 @@ This module is the facade: notebook 04, the CLI, the tests and the bench use the
 - ``notebook``: notebook 04's own steps (validation, demo arguments, outcome, panel);
 - ``cli``: ``python -m helpers batch-size``.
 
-Imports flow one way: models <- probe; results <- search <- explore <- notebook, cli; nothing
-here imports ``helpers.doctor`` or another feature. torch, accelerate and matplotlib are imported
-inside the functions that need them.
+Imports flow one way: models <- probe <- explore; results <- search <- explore; batch_plan <-
+explore; explore <- notebook, cli. Outside the package only the leaves (params, report, cli) and
+``helpers.launch``; never ``helpers.doctor`` or another feature. torch, accelerate, matplotlib and
+ipywidgets (``helpers.ui``) are imported inside the functions that need them.
 
 Two names are both a function here and a module of this package: ``probe`` and ``explore``. The
 facade binds the functions (``memory.probe(...)``, ``memory.explore(...)``), as notebook 04 calls

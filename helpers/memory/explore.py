@@ -108,7 +108,6 @@ def check_model(model: str = "mlp", memory_budget_mib: int = 512, num_processes:
     return _prepare(model, memory_budget_mib, num_processes, rank_budgets_mib, device)[0]
 
 
-
 # ---------------------------------------------------------------------------------------------
 # in the caller: running probes and strategies
 
@@ -190,7 +189,8 @@ def probe(model: str = "mlp", batch_size: int = 64, memory_budget_mib: int = 512
     return _probe_once(setup, batch_size)
 
 
-def _setup(model, memory_budget_mib, num_processes, rank_budgets_mib, device, timeout_s) -> _Setup:
+def _setup(model: str, memory_budget_mib: int, num_processes: int,
+           rank_budgets_mib: Sequence[int] | None, device: str, timeout_s: float) -> _Setup:
     timeout_s = params.check("timeout_s", timeout_s)
     check, factory = _prepare(model, memory_budget_mib, num_processes, rank_budgets_mib, device)
     return _Setup(check, factory, timeout_s)
@@ -216,9 +216,8 @@ def _failed_above(probes: list[Probe], found: int) -> int | None:
     return min(above) if above else None
 
 
-
 def _run_search(setup: _Setup, start: int, repeats: int = DEFAULT_REPEATS,
-               tolerance: float = DEFAULT_TOLERANCE) -> StrategyResult:
+                tolerance: float = DEFAULT_TOLERANCE) -> StrategyResult:
     """Our search, every rank probing each size and agreeing on the outcome."""
     started = time.monotonic()
     search = Search(lambda size: _probe_once(setup, size), start, min(setup.budgets), repeats,

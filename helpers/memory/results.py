@@ -8,6 +8,7 @@ matplotlib is imported inside ``plot()``.
 
 from __future__ import annotations
 
+import html
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -331,6 +332,9 @@ class BatchSizeOutcome(Outcome):
         if not results_path:
             return None
         return atomic_write_json(params.resolve_path(results_path), self.to_dict())
+
+    def _repr_html_(self) -> str:
+        return f"<p>{html.escape(self.verdict())}</p>"
 
 
 def _per_rank_text(strategy: StrategyResult) -> str:
