@@ -16,7 +16,8 @@ from __future__ import annotations
 import sys
 import time
 
-from helpers import memory, models
+from helpers import memory
+from helpers.memory import models
 
 BUDGET_MIB = 512
 

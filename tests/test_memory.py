@@ -6,6 +6,9 @@ Small budgets keep each probe fast: the built-in mlp needs about 2 MiB per sampl
 
 from __future__ import annotations
 
+import dataclasses
+import importlib
+import inspect
 import json
 import math
 import random
@@ -15,7 +18,7 @@ from pathlib import Path
 import pytest
 from accelerate.utils.memory import should_reduce_batch_size
 
-from helpers import cli, memory
+from helpers import cli, memory, params
 from helpers.launch import default_backend
 
 FIXTURE = Path(__file__).parent / "fixtures" / "memory" / "user_model.py"
@@ -223,8 +226,6 @@ def test_effective_batch_keeps_the_global_batch():
 def test_notebook_panel_slides_the_budget_and_runs_the_explorer(leftovers):
     import ipywidgets
 
-    from helpers import params
-
     cfg = params.validate(model="mlp", memory_budget_mib=BUDGET, starting_batch_size=START,
                           strategy="search", num_processes=1)
     panel = memory.panel(cfg)
@@ -236,4 +237,81 @@ def test_notebook_panel_slides_the_budget_and_runs_the_explorer(leftovers):
     result = panel.click()
     assert panel.error is None and panel.status.value == "done", panel.error
     assert result.budget_bytes == 128 << 20 and [s.strategy for s in result.strategies] == ["search"]
+    leftovers.check()
+
+
+# --- the facade and notebook 04's steps ---
+
+
+def test_facade_names_every_public_part_and_keeps_the_functions():
+    assert all(hasattr(memory, name) for name in memory.__all__)
+    # probe and explore are also modules of the package: the facade binds the functions
+    for name in ("probe", "explore"):
+        module = importlib.import_module(f"helpers.memory.{name}")
+        assert inspect.ismodule(module) and inspect.isfunction(getattr(memory, name)), name
+    target, _ = cli.COMMANDS["batch-size"]
+    module_name, function = target.split(":")
+    assert getattr(importlib.import_module(module_name), function) is memory.cli_main
+
+
+def _cfg(**values) -> params.Config:
+    defaults = {"model": "mlp", "memory_budget_mib": BUDGET, "starting_batch_size": START,
+                "strategy": "both", "num_processes": 1, "results_path": ""}
+    return params.validate(**{**defaults, **values})
+
+
+def test_check_config_stops_a_bad_model_with_the_model_check_error():
+    cfg = _cfg()
+    assert memory.check_config(cfg) is cfg
+    with pytest.raises(ValueError, match="model: file not found"):
+        memory.check_config(_cfg(model="missing/model.py:build"))
+    with pytest.raises(ValueError, match="memory_budget_mib=64 is below the model's own footprint"):
+        memory.check_config(_cfg(model=f"{FIXTURE}:huge"))
+
+
+@pytest.mark.parametrize("values, expected", [
+    ({"memory_budget_mib": 512, "starting_batch_size": 4096, "num_processes": 1}, (128, 1024, 2)),
+    ({"memory_budget_mib": 40, "starting_batch_size": 3, "num_processes": 3}, (16, 1, 3)),
+    ({"memory_budget_mib": 64, "starting_batch_size": 513, "num_processes": 2}, (16, 128, 2)),
+])
+def test_across_ranks_demo_takes_a_quarter_and_at_least_two_ranks(values, expected):
+    arguments = memory.across_ranks_arguments(_cfg(model="conv", **values))
+    assert arguments == {"model": "conv", "memory_budget_mib": expected[0],
+                         "starting_batch_size": expected[1], "num_processes": expected[2]}
+
+
+def test_outcome_checks_the_answer_and_the_agreement_and_saves_flat(tmp_path, leftovers):
+    cfg = _cfg(memory_budget_mib=4 * BUDGET, starting_batch_size=4 * 64,
+               results_path=str(tmp_path / "out" / "sizes.json"))
+    explored = memory.explore("mlp", BUDGET, 64, "search")
+    ranks = memory.across_ranks_demo(cfg)  # two ranks: 64 MiB and 10% less, from 64
+    assert (ranks.num_processes, ranks.starting_batch_size) == (2, 64)
+    assert ranks.rank_budgets_bytes == [BUDGET * MIB, 58 * MIB]
+
+    result = memory.outcome(explored, ranks)
+    assert result.ok and result.problems == [], result.verdict()
+    assert f"search: {explored.search.found}" in result.verdict()
+    assert f"2 ranks: search agreed on {ranks.search.found}" in result.verdict()
+    path = result.save(cfg.results_path)
+    data = json.loads(path.read_text())
+    assert set(explored.to_dict()) <= set(data), "every key of the explore result's JSON stays"
+    assert data["strategies"] == json.loads(explored.to_json())["strategies"]
+    assert data["ok"] is True and data["across_ranks"]["agreed"] is True
+    assert [s["strategy"] for s in data["across_ranks"]["strategies"]] == ["accelerate", "search"]
+    assert memory.outcome(explored).to_dict()["across_ranks"] is None
+    assert result.save("") is None
+
+    split = dataclasses.replace(ranks.search, per_rank_found=[ranks.search.found, 1])
+    broken = memory.outcome(explored, dataclasses.replace(ranks, strategies=[split]))
+    assert not broken.ok
+    assert broken.verdict().startswith("NOT OK: across 2 ranks: the search's ranks ended with "
+                                       f"different sizes ({ranks.search.found}, 1)")
+    data = json.loads(broken.save(tmp_path / "broken.json").read_text())
+    assert data["ok"] is False and data["problems"] == broken.problems
+    unsure = dataclasses.replace(explored, strategies=[dataclasses.replace(explored.search,
+                                                                           confirmed=False)])
+    assert memory.outcome(unsure).problems == ["no reliable batch size for mlp under 64.0 MiB"]
+
+    advice = memory.batch_advice(cfg, explored)
+    assert (advice.reference_per_device, advice.max_per_device) == (4 * 64, explored.answer)
     leftovers.check()

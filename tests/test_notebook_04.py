@@ -30,6 +30,9 @@ def test_small_budget_runs_every_section_and_writes_results(tmp_path, leftovers)
                         for name in ("search", "accelerate"))
     assert search["confirmed"] and search["found"] >= 0.98 * baseline["found"]
     assert data["budget_bytes"] == 64 << 20 and len(baseline["probes"]) > 10
+    assert data["ok"] is True and data["problems"] == []
+    assert data["across_ranks"]["agreed"] is True and data["across_ranks"]["num_processes"] == 2
+    assert data["across_ranks"]["rank_budgets_bytes"][0] == 16 << 20  # a quarter of 64 MiB
     text = notebook_text_outputs(nb)
     assert "DefaultCPUAllocator: can't allocate memory" in text  # the first try's genuine error
     assert "fits 3/3 in fresh processes" in text
@@ -50,6 +53,7 @@ def test_bad_inputs_stop_at_validation(tmp_path, name, value, message, leftovers
     with pytest.raises(papermill.PapermillExecutionError) as info:
         run_notebook(NOTEBOOK, tmp_path, {name: value})
     assert info.value.ename == "ValueError" and message in info.value.evalue
-    assert "cfg = params.validate(" in info.value.source, "the validation cell must be the one that stops"
+    assert "cfg = memory.check_config(params.validate(" in info.value.source, \
+        "the validation cell must be the one that stops"
     assert time.monotonic() - started < 60
     leftovers.check()

@@ -1,8 +1,8 @@
 """What runs inside a probe's child process: the memory cap, one training step, the outcome.
 
-``helpers.memory`` forks children with ``helpers.launch`` and calls ``probe_rank`` (one training
-step at one batch size) or ``accelerate_rank`` (accelerate's ``find_executable_batch_size``) in
-them. Nothing here runs in the caller: the caps change process-wide settings (resource limits,
+``helpers.memory.explore`` forks children with ``helpers.launch`` and calls ``probe_rank`` (one
+training step at one batch size) or ``accelerate_rank`` (accelerate's ``find_executable_batch_size``)
+in them. Nothing here runs in the caller: the caps change process-wide settings (resource limits,
 glibc's malloc thresholds, torch's oneDNN switch, the CUDA memory fraction).
 """
 
@@ -14,7 +14,7 @@ import resource
 import time
 from typing import Any
 
-from helpers import models
+from helpers.memory import models
 
 _M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD = -1, -3  # glibc malloc.h
 _MALLOC_THRESHOLD_BYTES = 128 * 1024  # glibc's default starting mmap threshold
