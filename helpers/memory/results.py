@@ -12,11 +12,9 @@ import html
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
-from helpers import params
-from helpers.report import Outcome, ResultMixin, atomic_write_json, html_table, text_table, to_jsonable
+from helpers.report import Outcome, ResultMixin, html_table, text_table, to_jsonable
 
 MIB = 1 << 20
 DEFAULT_REPEATS = 3
@@ -325,13 +323,6 @@ class BatchSizeOutcome(Outcome):
         data = self.explored.to_dict()
         data.update(ok=self.ok, problems=self.problems, across_ranks=self.across_ranks_entry())
         return data
-
-    def save(self, results_path: str | Path) -> Path | None:
-        """Write ``to_dict()`` atomically to ``results_path`` (relative: against the repository
-        root); nothing when it is empty. (``Outcome.save`` would nest the explore result.)"""
-        if not results_path:
-            return None
-        return atomic_write_json(params.resolve_path(results_path), self.to_dict())
 
     def _repr_html_(self) -> str:
         return f"<p>{html.escape(self.verdict())}</p>"
