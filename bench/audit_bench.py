@@ -1,4 +1,4 @@
-"""Benchmark of the environment audit (issue 3). Prints figures measured side by side in one run.
+"""Benchmark of the environment audit. Prints figures measured side by side in one run.
 
 1. wall seconds of `python -m helpers audit --json` (target < 3 s on this machine), against the
    two commands people paste today, `accelerate env` and `python -m torch.utils.collect_env`,

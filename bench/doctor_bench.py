@@ -1,4 +1,4 @@
-"""Benchmark of the hang doctor (issue 4). Prints figures measured side by side in one run.
+"""Benchmark of the hang doctor. Prints figures measured side by side in one run.
 
 1. Detection: for each broken catalog scenario on 2 gloo ranks, the seconds from the stall to the
    doctor's diagnosis (``stall_s`` = 2), next to what torch gives by default: its process-group

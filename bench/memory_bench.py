@@ -1,4 +1,4 @@
-"""Benchmark of the batch-size explorer (issue 6). Prints figures measured side by side in one run.
+"""Benchmark of the batch-size explorer. Prints figures measured side by side in one run.
 
 For each built-in model under a 512 MiB budget on one rank:
 

@@ -1,4 +1,4 @@
-"""Benchmark of the smoke test (issue: foundation). Prints figures measured side by side in one run.
+"""Benchmark of the smoke test. Prints figures measured side by side in one run.
 
 1. busbw of helpers' all_reduce timing against a bare torch.distributed loop at the same sizes,
    interleaved in the same ranks (target ratio >= 0.9);

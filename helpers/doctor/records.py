@@ -220,11 +220,12 @@ def read_folder(folder: str | Path, ranks: range, strict: bool = False,
     post-mortem) damaged parts are skipped. ``peers`` collects each rank's p2p peers by record id.
     """
     folder = Path(folder)
+    peers = {} if peers is None else peers
     views = {}
     for rank in ranks:
         view = RankView(rank)
         if strict:
-            _read_strictly(view, folder, (peers or {}).setdefault(rank, {}))
+            _read_strictly(view, folder, peers.setdefault(rank, {}))
         else:
             read_new_records(view, rundir.trace_path(folder, rank))
             view.state = _lenient_json(rundir.state_path(folder, rank))

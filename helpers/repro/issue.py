@@ -11,7 +11,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from helpers import audit, redact, report
+from helpers import audit, redact, report, rundir
 from helpers.report import Note
 from helpers.repro.runs import ReproRun
 from helpers.repro.script import launch_commands, out_folder
@@ -44,7 +44,7 @@ def write_report(run: ReproRun, fixed: ReproRun | Note | None = None, out_dir: s
     summary = report_summary(run, fixed)
     text = redact.for_report(report_markdown(run, fixed, facts, summary))
     markdown = report.atomic_write_text(folder / "report.md", text)
-    diagnosis = report.atomic_write_json(folder / "diagnosis.json", run.diagnosis)
+    diagnosis = report.atomic_write_json(rundir.diagnosis_path(folder), run.diagnosis)
     return IssueFiles(str(markdown), str(diagnosis), redact.for_report(summary))
 
 
