@@ -23,6 +23,9 @@ from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Any
 
+from helpers import params
+from helpers.report import atomic_write_text
+
 REDACTED = "<redacted>"
 
 # substrings of a variable name that mark its value as a credential
@@ -242,9 +245,7 @@ _BINARY_MIME = ("image/", "application/pdf", "video/", "audio/")
 def for_report(text: str) -> str:
     """Text fit for a shared report: secrets redacted, the repository's folder shown as ``<repo>``,
     this machine's host and user names and home folders replaced."""
-    from helpers.params import REPO_ROOT
-
-    text = redact_text(text).replace(str(REPO_ROOT), "<repo>")
+    text = redact_text(text).replace(str(params.REPO_ROOT), "<repo>")
     return anonymize_text(text, **local_identity())
 
 
@@ -256,8 +257,6 @@ def scrub_notebook(path: str | Path, extra_values: Iterable[str] = ()) -> int:
     state). Binary outputs (images) are left as they are. The file is rewritten only when
     something changed. Raises ValueError when ``path`` is not a notebook.
     """
-    from helpers.report import atomic_write_text
-
     path = Path(path)
     try:
         notebook = json.loads(path.read_text(encoding="utf-8"))

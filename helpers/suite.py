@@ -11,7 +11,6 @@ import ast
 import datetime
 import html
 import os
-import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -201,12 +200,13 @@ def cli_main(argv: list[str]) -> int:
     parser.add_argument("--only", metavar="NAME", help="run only notebooks whose name contains NAME")
     parser.add_argument("-p", nargs=2, action="append", default=[], metavar=("NAME", "VALUE"),
                         help="set a parameter in the notebooks that declare it")
-    args = parser.parse_args(argv)
+    args = cli.parse(parser, argv)
+    if isinstance(args, int):
+        return args
     try:
         values = {name: parse_value(text) for name, text in args.p}
         result = run_suite(args.out, args.only, values, on_progress=lambda line: print(line, flush=True))
     except ValueError as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return cli.EXIT_USAGE
+        return cli.usage_error(str(exc))
     print(result.summary())
     return cli.EXIT_OK if result.ok else cli.EXIT_PROBLEM

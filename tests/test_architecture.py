@@ -12,7 +12,9 @@ import subprocess
 import sys
 from pathlib import Path
 
-from helpers import collectives, rundir
+import pytest
+
+from helpers import cli, collectives, rundir
 from helpers.repro import replay
 
 PACKAGE = Path(__file__).resolve().parent.parent / "helpers"
@@ -156,3 +158,11 @@ def test_run_folder_names_are_spelled_in_one_module():
     assert not offenders, offenders
     assert rundir.trace_path("/r", 3) == Path("/r/trace-3.jsonl")
     assert rundir.result_path("/r", 0) == Path("/r/result-0.pkl")
+
+
+@pytest.mark.parametrize("command", sorted(cli.COMMANDS))
+def test_every_command_answers_help_and_bad_usage_the_same_way(command, capsys):
+    # one argparse helper (cli.parse): --help is 0, bad usage 2 with argparse's message, no SystemExit
+    assert cli.main([command, "--help"]) == cli.EXIT_OK
+    assert cli.main([command, "--no-such-flag"]) == cli.EXIT_USAGE
+    assert f"python -m helpers {command}: error: " in capsys.readouterr().err
