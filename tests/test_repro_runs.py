@@ -90,7 +90,8 @@ def _run_from_cli(folder: Path, entry) -> repro.ReproRun:
         script, name, variant, expected = folder / "replay.py", "replay", "replay", {}
     else:
         script, name, variant = folder / f"{entry.module}_broken.py", entry.id, "broken"
-        expected = repro.scenario_expectation(entry, "broken", 2, repro.check_parameters(entry, {}, 2))
+        values = repro.check_scenario_parameters(entry, {}, 2)
+        expected = repro.scenario_expectation(entry, "broken", 2, values)
     trace = script.with_name(script.stem + "-trace")
     diagnosis = repro_run.load_diagnosis(trace)
     assert json.loads((folder / "diagnosis.json").read_text())["kind"] == diagnosis.kind
