@@ -79,7 +79,8 @@ def install_cuda_watch() -> None:
 
 def _user_frame(frames: Sequence[traceback.FrameSummary]) -> str:
     for frame in reversed(frames):
-        if is_user_code(frame.filename):
+        typed = frame.filename.startswith("<") and not frame.filename.startswith("<frozen")
+        if typed or is_user_code(frame.filename):  # <stdin>, <ipython-input-...>: typed by the user
             return f"{frame.filename}:{frame.lineno} ({frame.line or frame.name})"
     last = frames[-1]
     return f"{last.filename}:{last.lineno}"

@@ -224,7 +224,7 @@ def run_loop(num_processes: int = 2, stop_rank: int = 1, stop_step: int = 3,
                                     num_processes=cfg.num_processes, stall_s=cfg.stall_s,
                                     timeout_s=cfg.stall_s + DEADLINE_MARGIN_S)
     seconds = round(time.monotonic() - started, 2)
-    results = getattr(diagnosis, "results", None) or []
+    results = diagnosis.results or []
     ranks = [RankEnd(r["rank"], r["stopped_at"],
                          steps if r["stopped_at"] is None else r["stopped_at"] + 1, r["weights"])
              for r in results]

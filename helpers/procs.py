@@ -19,6 +19,8 @@ from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any
 
+from helpers import params
+
 KILL_GRACE_S = 2.0
 _PR_SET_PDEATHSIG = 1
 
@@ -124,6 +126,13 @@ def run_process(argv: list[str], timeout_s: float, env: dict[str, str] | None = 
         sink.seek(0)
         output = sink.read().decode("utf-8", errors="replace")
     return code, output, round(time.monotonic() - started, 3)
+
+
+def python_env(extra: dict[str, str] | None = None) -> dict[str, str]:
+    """This environment with the repository importable, so ``python -m helpers...`` runs from any
+    folder (a child's working folder is often the user's script's)."""
+    path = os.pathsep.join(filter(None, [str(params.REPO_ROOT), os.environ.get("PYTHONPATH")]))
+    return {**os.environ, "PYTHONPATH": path, **(extra or {})}
 
 
 def free_port() -> int:

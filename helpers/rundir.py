@@ -28,8 +28,8 @@ from pathlib import Path
 from typing import Any
 
 # the environment a traced rank reads its folder and rank from (helpers.launch and torchrun users)
-ENV_DIR, ENV_RANK, ENV_PARENT, ENV_TRACED = ("HELPERS_TRACE_DIR", "HELPERS_TRACE_RANK",
-                                             "HELPERS_PARENT_PID", "HELPERS_TRACED")
+ENV_DIR, ENV_RANK, ENV_PARENT = "HELPERS_TRACE_DIR", "HELPERS_TRACE_RANK", "HELPERS_PARENT_PID"
+PID_PREFIX = "pid-"
 DIAGNOSIS_NAME = "diagnosis.json"
 TMP_NAME = "tmp"
 # what the doctor keeps of a run (--keep), and what a new record replaces
@@ -63,7 +63,7 @@ def result_path(run_dir: str | Path, rank: int) -> Path:
 
 def pid_marker(run_dir: str | Path, pid: int) -> Path:
     """An empty file naming one rank process, for the janitor to kill if the launcher dies."""
-    return Path(run_dir) / f"pid-{pid}"
+    return Path(run_dir) / f"{PID_PREFIX}{pid}"
 
 
 def tmp_dir(run_dir: str | Path) -> Path:
@@ -79,6 +79,11 @@ def diagnosis_path(folder: str | Path) -> Path:
 def traced_ranks(folder: str | Path) -> list[int]:
     """The ranks that have a trace in ``folder``, sorted."""
     return sorted(int(path.stem.split("-")[1]) for path in Path(folder).glob("trace-*.jsonl"))
+
+
+def outcome_ranks(folder: str | Path) -> list[int]:
+    """The ranks that wrote their outcome in ``folder``, sorted."""
+    return sorted(int(path.stem.split("-")[1]) for path in Path(folder).glob("result-*.pkl"))
 
 
 def clear_record(folder: str | Path) -> None:

@@ -13,22 +13,26 @@ from a third-party library and counts as library code.
 from __future__ import annotations
 
 import sysconfig
+from pathlib import Path
 
 USER_PACKAGES = ("helpers.scenarios",)
 LIBRARY_PACKAGES = frozenset({"torch", "accelerate", "helpers"})
 STDLIB = tuple({sysconfig.get_paths()["stdlib"], sysconfig.get_paths()["platstdlib"]})
+HELPERS_DIR = str(Path(__file__).resolve().parent) + "/"
+SCENARIOS_DIR = HELPERS_DIR + "scenarios/"
+INSTALLED = ("/site-packages/", "/dist-packages/")
 
 
 def is_user_code(filename: str, module: str | None = None) -> bool:
     """Is code in ``filename`` (of module ``module`` when known) the user's own?"""
     if module is not None:
         return _user_module(module, filename)
-    if "/helpers/scenarios/" in filename:
+    if filename.startswith(SCENARIOS_DIR) or "/helpers/scenarios/" in filename:
         return True
-    if filename.startswith("<") or "site-packages" in filename or "dist-packages" in filename:
-        return False
-    if any(f"/{package}/" in filename for package in LIBRARY_PACKAGES):
-        return False
+    if filename.startswith(("<", HELPERS_DIR)) or "/helpers/" in filename:
+        return False  # this package, also in a folder kept on another machine
+    if any(part in filename for part in INSTALLED):
+        return False  # installed libraries; a clone (/home/me/accelerate/examples/...) is the user's
     return not filename.startswith(STDLIB)
 
 

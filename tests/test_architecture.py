@@ -148,7 +148,8 @@ def test_one_op_table():
 
 def test_run_folder_names_are_spelled_in_one_module():
     # the run folder's file names are a persisted format: only helpers/rundir.py spells them
-    spellings = ("trace-{", "state-{", "stack-{", "result-{", "ctl-{", "pid-{", '"diagnosis.json"')
+    spellings = ("trace-{", "state-{", "stack-{", "result-{", "ctl-{", "pid-{", '"diagnosis.json"',
+                 "trace-*", "state-*", "stack-*", "result-*", '"pid-"', '"ctl-"')
     offenders = []
     for path in PACKAGE.rglob("*.py"):
         if path.name == "rundir.py" or "scenarios" in path.parts:

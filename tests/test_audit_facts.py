@@ -227,7 +227,7 @@ def test_probe_failure_is_a_finding(monkeypatch, facts):
     assert "TORCH_PROBE_FAILED" in {f.code for f in found}
 
 
-def test_cuda_initialised_here_is_read_from_helpers_launch(monkeypatch):
+def test_cuda_initialised_here_is_read_from_the_cuda_watch(monkeypatch):
     """No GPU here: stand in for an initialised torch.cuda (only the flag, nothing else)."""
     assert audit.check_before_launch() == []
     fake_torch = types.SimpleNamespace(cuda=types.SimpleNamespace(is_initialized=lambda: True))

@@ -1,4 +1,4 @@
-"""The hang doctor (issue 4): stalls, ok runs, crashes, mismatches, the CLI, display, SIGKILL.
+"""The hang doctor: stalls, ok runs, crashes, mismatches, the CLI, display, SIGKILL.
 
 Real ranks with real gloo; the scenario matrix lives in test_scenarios.py.
 """

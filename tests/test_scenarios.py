@@ -1,4 +1,4 @@
-"""The scenario catalog (issue 4, piece 8): each scenario gets its documented kind, culprits and lines.
+"""The scenario catalog: each scenario gets its documented kind, culprits and lines.
 
 Under helpers.launch (forked ranks calling ``main``) on 2 and 3 ranks, under
 ``python -m helpers doctor`` and under plain torchrun on 2 ranks; fixed variants come out ok.

@@ -1,4 +1,4 @@
-"""The tracer inside each rank (issue 4, pieces 1 and 2): what it records, and that it changes nothing."""
+"""The tracer inside each rank: what it records, and that it changes nothing."""
 
 from __future__ import annotations
 
@@ -117,11 +117,13 @@ class _SignalAtOnce:
             self.sent = True
 
 
-def test_an_early_stack_request_cannot_kill_a_command_rank(tmp_path, leftovers):
+@pytest.mark.parametrize("starter", [launch_command, doctor.launch_command], ids=["plain", "traced"])
+def test_an_early_stack_request_cannot_kill_a_command_rank(starter, tmp_path, leftovers):
+    # both kinds of command rank start with the stack signal blocked until faulthandler is set up
     script = tmp_path / "quick.py"
     script.write_text("import torch.distributed as dist\nprint('ran', flush=True)\n")
     watcher = _SignalAtOnce()
-    codes = launch_command([str(script)], num_processes=2, timeout_s=120, watchers=[watcher])
+    codes = starter([str(script)], num_processes=2, timeout_s=120, watchers=[watcher])
     assert watcher.sent and codes == [0, 0]
     leftovers.check()
 
@@ -142,6 +144,7 @@ def test_user_code_is_told_apart_from_libraries():
     assert not is_user_code("/repo/helpers/doctor/watcher.py")
     assert not is_user_code(os.path.join(sites.STDLIB[0], "contextlib.py"))
     assert not is_user_code("<frozen runpy>")
+    assert is_user_code("/home/me/accelerate/examples/nlp_example.py")  # a clone is the user's code
     assert trace.label("/a/b/train.py", 57) == "train.py:57"
 
 

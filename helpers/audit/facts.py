@@ -81,6 +81,7 @@ out["seconds"] = round(time.perf_counter() - start, 3)
 print(json.dumps(out))
 """
 
+
 class Facts(dict):
     """The facts as a plain dict (JSON as it is), with an HTML summary for notebooks."""
 

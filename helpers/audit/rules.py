@@ -47,6 +47,7 @@ class Finding:
     fix: str
     source: str
 
+
 # ---------------------------------------------------------------------------------------------
 # the registry: a rule and its code are declared once, with @rule("CODE")
 

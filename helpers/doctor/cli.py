@@ -12,6 +12,7 @@ from helpers.doctor.watcher import DEFAULT_STALL_S
 
 USAGE = "usage: python -m helpers doctor --num-processes N -- script.py [args]"
 
+
 def cli_main(argv: list[str]) -> int:
     """``python -m helpers doctor --num-processes N [...] -- script.py [args]``: exit 0/3/4/5, 2."""
     if "--" in argv:

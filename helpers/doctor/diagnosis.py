@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import re
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from typing import Any
 
 from helpers import report
@@ -26,6 +26,7 @@ EXIT_CODES = {"ok": 0, "hang": 3, "crash": 4, "mismatch": 5}
 KINDS = ("ok", "collective-mismatch", "shape-mismatch", "rank-missing", "rank-exited", "unknown")
 FIXES = wording.FIXES
 
+
 @dataclass
 class RankReport:
     """One rank in a diagnosis."""
@@ -37,8 +38,6 @@ class RankReport:
     shapes: list | None = None
     location: str | None = None
     exit_code: int | None = None
-
-    FIELDS = ("rank", "state", "op", "seq", "shapes", "location", "exit_code")
 
 
 @dataclass
@@ -63,7 +62,8 @@ class Diagnosis(report.ResultMixin):
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> Diagnosis:
         """A diagnosis read back from its JSON (``diagnosis.json``); the evidence stays empty."""
-        per_rank = [RankReport(**{name: entry.get(name) for name in RankReport.FIELDS})
+        names = [f.name for f in fields(RankReport)]
+        per_rank = [RankReport(**{name: entry.get(name) for name in names})
                     for entry in data.get("per_rank") or []]
         return cls(verdict=data.get("verdict"), kind=data.get("kind"), ranks=list(data.get("ranks") or []),
                    summary=data.get("summary") or "", fix=data.get("fix") or "",
@@ -86,7 +86,7 @@ class Diagnosis(report.ResultMixin):
 
     def text(self) -> str:
         """A plain-text report for the CLI and logs."""
-        columns = ["rank", "state", "op", "seq", "shapes", "location", "exit_code"]
+        columns = [f.name for f in fields(RankReport)]
         rows = [{**row, "rank": f"{row['rank']}{' *' if row['culprit'] else ''}"} for row in self.rows()]
         head = f"doctor: {self.verdict} ({self.kind})"
         if self.detected_after_s is not None:

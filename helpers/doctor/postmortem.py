@@ -32,9 +32,10 @@ def diagnose_dir(folder: str | Path, num_processes: int | None = None,
         status = (view.exit or {}).get("status")
         view.ended = True
         view.exit_code = (exit_codes or {}).get(rank, {"finished": 0, "raised": 1}.get(status))
+    stop_codes = (None, -15, -9) if stopped else (None, -15)  # the deadline escalates to SIGKILL
     for view in views.values():
         stopped_from_outside = stopped or _failed_elsewhere(view.rank, views)
-        if view.exit is None and view.exit_code in (None, -15) and stopped_from_outside:
+        if view.exit is None and view.exit_code in stop_codes and stopped_from_outside:
             view.ended = False  # stopped by the launcher (after another rank failed, or a deadline)
     all_finished = all((v.exit or {}).get("status") == "finished" for v in views.values())
     diagnosis = diagnose(views, num_processes, "finished" if all_finished else "failure",

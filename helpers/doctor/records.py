@@ -244,7 +244,7 @@ def _lenient_json(path: Path) -> dict[str, Any] | None:
 def _read_text(path: Path) -> str:
     try:
         return path.read_text(errors="replace")
-    except FileNotFoundError:
+    except OSError:  # stacks are auxiliary: a missing or unreadable file is no stack
         return ""
 
 

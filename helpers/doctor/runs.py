@@ -7,7 +7,6 @@ plain torchrun with the tracer, for comparing with what torchrun users get.
 
 from __future__ import annotations
 
-import os
 import re
 import sys
 import tempfile
@@ -16,7 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from helpers import launch as launching
-from helpers import params, procs, rundir
+from helpers import procs, rundir
 from helpers.doctor.diagnosis import Diagnosis
 from helpers.doctor.postmortem import diagnose_dir
 from helpers.doctor.watcher import DEFAULT_STALL_S, Doctor
@@ -86,9 +85,8 @@ def run_torchrun(command: list[str], trace_dir: str | Path, num_processes: int =
     """
     trace_dir = Path(trace_dir)
     trace_dir.mkdir(parents=True, exist_ok=True)
-    python_path = os.pathsep.join(filter(None, [str(params.REPO_ROOT), os.environ.get("PYTHONPATH")]))
     with tempfile.TemporaryDirectory(prefix="helpers-torchrun-") as scratch:
-        env = {**os.environ, rundir.ENV_DIR: str(trace_dir), "TMPDIR": scratch, "PYTHONPATH": python_path}
+        env = procs.python_env({rundir.ENV_DIR: str(trace_dir), "TMPDIR": scratch})
         env.pop(rundir.ENV_PARENT, None)
         argv = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(num_processes),
                 "--max-restarts", "0", "--master-port", str(procs.free_port()),

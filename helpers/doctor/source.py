@@ -58,6 +58,7 @@ def enclosing_loop(filename: str | None, line: int | None) -> int | None:
 
 
 def source_line(frame: dict[str, Any]) -> str:
+    """The text of a stack frame's line in the user's file ('' when unreadable)."""
     parsed = _tree(frame.get("file"))
     if parsed is None or not frame.get("line"):
         return ""

@@ -85,12 +85,15 @@ def _at(pos: Position) -> str:
 
 
 def ranks_text(ranks: list[int]) -> str:
+    """'Rank 1', 'Ranks 0, 2 and 3'."""
     if len(ranks) == 1:
         return f"Rank {ranks[0]}"
     return "Ranks " + ", ".join(str(r) for r in ranks[:-1]) + f" and {ranks[-1]}"
 
 
-def divergence_summary(kind: str, key, present: dict[int, Op], culprits: list[int], positions) -> str:
+def divergence_summary(kind: str, key: tuple[str, int], present: dict[int, Op], culprits: list[int],
+                       positions: dict[int, Position]) -> str:
+    """The ranks disagree at (group, sequence number) ``key``: what each issued, who differs."""
     seq = key[1]
     if kind == "shape-mismatch":
         op = next(iter(present.values()))
@@ -117,6 +120,7 @@ def divergence_summary(kind: str, key, present: dict[int, Op], culprits: list[in
 
 
 def exited_summary(culprits: list[int], positions: dict[int, Position]) -> str:
+    """How each culprit rank ended, and who still needed it."""
     sentences = []
     needing = [p for p in positions.values() if p.state == "in-collective" or p.victim]
     for rank in culprits:
@@ -137,6 +141,7 @@ def exited_summary(culprits: list[int], positions: dict[int, Position]) -> str:
 
 
 def missing_summary(missing: list[int], positions: dict[int, Position]) -> str:
+    """Which ranks never reached the collective the others wait in, and where they are instead."""
     waiting = [p for p in positions.values() if p.state == "in-collective" or p.victim]
     first = waiting[0]
     who = ", ".join(f"rank {p.rank}" for p in waiting)
@@ -154,6 +159,7 @@ def missing_summary(missing: list[int], positions: dict[int, Position]) -> str:
 
 
 def unknown_summary(positions: dict[int, Position]) -> str:
+    """No known pattern: where every rank is."""
     parts = []
     for pos in positions.values():
         what = pos.state

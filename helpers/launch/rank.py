@@ -13,6 +13,7 @@ Command ranks start as ``python -m helpers.launch script.py [args]`` (untraced) 
 
 from __future__ import annotations
 
+import atexit
 import datetime
 import faulthandler
 import os
@@ -169,6 +170,7 @@ def run_command_rank(argv: list[str], traced: bool) -> NoReturn:
     if traced:
         trace.install(run_dir, rank)
     code = _run_as_main(argv, run_dir, rank)
+    atexit._run_exitfuncs()  # the script's own exit handlers (logging, trackers) still run
     stack_handle.flush()
     # Recorded: end now, before interpreter teardown, where torch 2.13's gloo aborts in about 1 run
     # in 10 after gather_for_metrics ("terminate called without an active exception") and would

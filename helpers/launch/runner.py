@@ -92,7 +92,8 @@ class Run:
 class Watcher:
     """Something that looks at a run each tick (the hang doctor) and may stop it by raising.
 
-    Subclass it and override what you need. ``wants_trace``: the ranks install the tracer (the
+    Subclass it and override what you need (any object with a ``poll`` method also works: the
+    other hooks are optional). ``wants_trace``: the ranks install the tracer (the
     doctor's record of every collective) before user code.
     """
 
@@ -202,10 +203,11 @@ def launch_command(
 ) -> list[int]:
     """Run a command as ``num_processes`` local ranks with the environment torchrun gives.
 
-    ``command`` is ``["script.py", *args]`` or ``["-m", "module", *args]`` (run by this Python with
-    the tracer and stack dumps installed first, the script as ``__main__``), or another program (run
-    as is). Each rank gets RANK, LOCAL_RANK, WORLD_SIZE, LOCAL_WORLD_SIZE, MASTER_ADDR, MASTER_PORT
-    and, without a GPU per rank, ACCELERATE_USE_CPU=true. Same watch loop, deadline, watchers and
+    ``command`` is ``["script.py", *args]`` or ``["-m", "module", *args]`` (run by this Python
+    through the in-rank bootstrap, ``helpers.launch.rank``: stack dumps, parent-death signal and the
+    rank's outcome, plus the tracer when a watcher wants it; the script as ``__main__``), or another
+    program (run as is). Each rank gets RANK, LOCAL_RANK, WORLD_SIZE, LOCAL_WORLD_SIZE, MASTER_ADDR,
+    MASTER_PORT and, without a GPU per rank, ACCELERATE_USE_CPU=true. Same watch loop, deadline, watchers and
     cleanup as ``launch``; returns the ranks' exit codes (all 0; a failure raises as in ``launch``).
     """
     num_processes = params.check("num_processes", num_processes)
@@ -249,12 +251,12 @@ def _make_fifos(run: Run, traced: bool) -> None:
 
 _JANITOR = """
 import os, shutil, signal, sys
-run_dir = sys.argv[1]
+run_dir, prefix = sys.argv[1], sys.argv[2]
 sys.stdin.buffer.read()  # EOF: the launcher and every rank holding the pipe have ended
 for name in os.listdir(run_dir) if os.path.isdir(run_dir) else []:
-    if name.startswith("pid-"):
+    if name.startswith(prefix):
         try:
-            os.kill(int(name[4:]), signal.SIGKILL)
+            os.kill(int(name[len(prefix):]), signal.SIGKILL)
         except (ProcessLookupError, ValueError):
             pass
 shutil.rmtree(run_dir, ignore_errors=True)
@@ -267,7 +269,7 @@ def start_janitor(run_dir: Path) -> subprocess.Popen:
     It waits for EOF on a pipe whose write end only the launcher (and its forked ranks) hold, so
     the folder is removed even when the launcher is killed with SIGKILL and cannot clean up.
     """
-    return subprocess.Popen([sys.executable, "-S", "-c", _JANITOR, str(run_dir)],
+    return subprocess.Popen([sys.executable, "-S", "-c", _JANITOR, str(run_dir), rundir.PID_PREFIX],
                             stdin=subprocess.PIPE, stdout=subprocess.DEVNULL,
                             stderr=subprocess.DEVNULL, start_new_session=True)
 
@@ -332,8 +334,6 @@ def _start_commands(run: Run, command: list[str], backend: str, env: dict[str, s
     port = procs.free_port()
     _make_fifos(run, traced)
     argv = _command_argv(command, traced)
-    package_root = str(params.REPO_ROOT)
-    python_path = os.pathsep.join(filter(None, [package_root, os.environ.get("PYTHONPATH")]))
     # blocked across fork and exec: a stack request arriving before faulthandler is set up waits
     bootstrapped = argv[:3] == [sys.executable, "-m", "helpers.trace" if traced else "helpers.launch"]
     old_mask = signal.pthread_sigmask(signal.SIG_BLOCK, {STACK_SIGNAL}) if bootstrapped else None
@@ -341,7 +341,7 @@ def _start_commands(run: Run, command: list[str], backend: str, env: dict[str, s
         for rank in range(run.num_processes):
             spec = RankSpec(rank, run.num_processes, port, run.run_dir, os.getpid(), False,
                             backend, 0.0, env, traced)
-            rank_env = {**os.environ, **rank_environment(spec), "PYTHONPATH": python_path,
+            rank_env = {**procs.python_env(), **rank_environment(spec),
                         rundir.ENV_DIR: str(run.run_dir), rundir.ENV_RANK: str(rank),
                         rundir.ENV_PARENT: str(os.getpid())}
             popen = subprocess.Popen(argv, env=rank_env, stdin=subprocess.DEVNULL)
@@ -425,20 +425,18 @@ def first_error(run_dir: Path) -> RankError:
     """The earliest exception among the ranks that reported one: the cause, not its echoes.
 
     When one rank raises and exits, its peers fail moments later ("Connection closed by peer");
-    their reports may be read first, so the time each exception was raised decides.
+    their reports may be read first, so the time each exception was raised decides. A ValueError
+    when no rank reported one.
     """
     errors = []
-    for rank in range(_ranks_with_outcomes(run_dir)):
+    for rank in rundir.outcome_ranks(run_dir):
         outcome = rundir.RankOutcome.read(rundir.result_path(run_dir, rank))
         if outcome is not None and not outcome.ok:
             errors.append((outcome.t, rank, outcome))
+    if not errors:
+        raise ValueError(f"no rank in {run_dir} reported an exception")
     _, rank, outcome = min(errors, key=lambda item: item[:2])
     return RankError(rank, outcome.exc_type, outcome.message, outcome.traceback)
-
-
-def _ranks_with_outcomes(run_dir: Path) -> int:
-    ranks = [int(path.stem.split("-")[1]) for path in Path(run_dir).glob("result-*.pkl")]
-    return max(ranks, default=-1) + 1
 
 
 def _timeout_message(run: Run, stacks: dict[int, str]) -> str:

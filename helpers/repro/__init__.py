@@ -31,7 +31,16 @@ contrast), ``issue`` (report.md), ``notebook`` (notebook 02's steps and panel), 
 from helpers.report import Note
 from helpers.repro.cli import cli_main, list_text
 from helpers.repro.issue import IssueFiles, report_markdown, report_summary, write_report
-from helpers.repro.notebook import ACTIONS, BUTTONS, Outcome, build_for, check_config, explore, outcome, panel
+from helpers.repro.notebook import (
+    ACTIONS,
+    BUTTONS,
+    ReproOutcome,
+    build_for,
+    check_config,
+    explore,
+    outcome,
+    panel,
+)
 from helpers.repro.replay import load_recording, plan_replay, render_replay
 from helpers.repro.runs import (
     RUN_TIMEOUT_S,
@@ -68,7 +77,7 @@ from helpers.repro.symptoms import (
 )
 
 __all__ = ["ACTIONS", "BUTTONS", "DEFAULT_OUT_DIR", "RUN_TIMEOUT_S", "SYMPTOMS", "DebugContrast",
-           "IssueFiles", "Note", "Outcome", "ReproRun", "ReproScript", "Standalone", "Symptom",
+           "IssueFiles", "Note", "ReproOutcome", "ReproRun", "ReproScript", "Standalone", "Symptom",
            "SymptomTable", "build_for", "build_replay", "build_script", "check_config",
            "check_scenario_parameters", "cli_main", "debug_contrast", "expected_text", "explore",
            "get_scenario", "get_symptom", "launch_commands", "list_text", "load_diagnosis",

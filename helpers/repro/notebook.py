@@ -35,7 +35,7 @@ def build_for(cfg: params.Config) -> ReproScript:
 
 
 @dataclass
-class Outcome(report.Outcome):
+class ReproOutcome(report.Outcome):
     """The notebook's outcome: the bug diagnosed as expected, the fix passing, the report written."""
 
     ok: bool
@@ -52,7 +52,7 @@ class Outcome(report.Outcome):
         return "Not reproduced: " + "; ".join(self.problems)
 
 
-def outcome(broken: ReproRun, fixed: ReproRun | Note | None, files: IssueFiles | None = None) -> Outcome:
+def outcome(broken: ReproRun, fixed: ReproRun | Note | None, files: IssueFiles | None = None) -> ReproOutcome:
     """Did the broken run get its expected diagnosis and the fixed one pass?"""
     problems = []
     if not broken.as_expected:
@@ -60,7 +60,7 @@ def outcome(broken: ReproRun, fixed: ReproRun | Note | None, files: IssueFiles |
     fixed_run = fixed if isinstance(fixed, ReproRun) else None
     if fixed_run is not None and not (fixed_run.diagnosis.verdict == "ok" and fixed_run.as_expected):
         problems.append(fixed_run.verdict())
-    return Outcome(not problems, broken, fixed_run, files.report_md if files else "", problems)
+    return ReproOutcome(not problems, broken, fixed_run, files.report_md if files else "", problems)
 
 
 ACTIONS = ("build", "run", "show fix", "export")

@@ -62,6 +62,8 @@ OP_CODE: dict[str, str] = {
     "isend": "dist.isend(tensor, dst=peer).wait()",
     "irecv": "dist.irecv(tensor, src=peer).wait()",
 }
+
+
 # ---------------------------------------------------------------------------------------------
 # reading a kept run
 
@@ -329,9 +331,7 @@ def _end(recording: Recording, rank: int) -> tuple[str, Any]:
 
 def _message(text: str) -> str:
     first = text.strip().splitlines()[0] if text.strip() else "the original rank raised"
-    identity = redact.local_identity()
-    first = redact.anonymize_text(redact.redact_text(first), **identity)
-    return first[:MESSAGE_LIMIT]
+    return redact.for_report(first)[:MESSAGE_LIMIT]
 
 
 # ---------------------------------------------------------------------------------------------

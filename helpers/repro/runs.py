@@ -32,12 +32,6 @@ from helpers.repro.symptoms import get_symptom
 RUN_TIMEOUT_S = 180.0
 LOG_TAIL = 4000  # characters of a run's output kept in results
 
-def _python_env(extra: dict[str, str] | None = None) -> dict[str, str]:
-    """This environment, with the repository importable (``-m helpers`` from any folder)."""
-    path = os.pathsep.join(filter(None, [str(params.REPO_ROOT), os.environ.get("PYTHONPATH")]))
-    return {**os.environ, "PYTHONPATH": path, **(extra or {})}
-
-
 # ---------------------------------------------------------------------------------------------
 # under the doctor
 
@@ -56,7 +50,7 @@ def run_under_doctor(script: str | Path, args: list[str] | None = None, num_proc
     argv = [sys.executable, "-m", "helpers", "doctor", "--num-processes", str(num_processes),
             "--stall-s", str(stall_s), "--timeout-s", str(timeout_s), "--keep", str(keep),
             "--", script.name, *(args or [])]
-    code, output, seconds = procs.run_process(argv, timeout_s + 30, _python_env(env), cwd=script.parent)
+    code, output, seconds = procs.run_process(argv, timeout_s + 30, procs.python_env(env), cwd=script.parent)
     if not rundir.diagnosis_path(keep).is_file():
         raise RuntimeError(f"the doctor wrote no diagnosis for {script.name} (exit "
                            f"{'none: past the deadline' if code is None else code}):\n"

@@ -20,6 +20,7 @@ from helpers.repro.symptoms import get_scenario
 
 DEFAULT_OUT_DIR = "reports/repro"
 
+
 @dataclass
 class ReproScript(report.ResultMixin):
     """A generated script: what it is, where it is, how to launch it, what should happen."""
