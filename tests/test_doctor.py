@@ -256,6 +256,8 @@ def test_diagnosis_json_has_exactly_the_documented_fields():
     data = json.loads(found.to_json())
     assert list(data) == ["verdict", "kind", "ranks", "summary", "fix", "detected_after_s", "per_rank"]
     assert list(data["per_rank"][0]) == ["rank", "state", "op", "seq", "shapes", "location", "exit_code"]
+    found.notes.append("stacks alone: no sequence numbers")  # attach and --from-fr say what is unknown
+    assert json.loads(found.to_json())["notes"] == ["stacks alone: no sequence numbers"]
 
 
 def test_a_rank_dying_inside_a_collective_after_a_peer_died_is_not_a_second_culprit():

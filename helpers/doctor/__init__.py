@@ -7,7 +7,9 @@ A pipeline by file, like torch's Flight Recorder analyzer:
 - ``wording``: the fixes and the summary sentences; ``source``: the user's files and stack text;
 - ``watcher``: ``Doctor``, the ``helpers.launch`` watcher that stops a stalled run;
 - ``runs``: launching under the doctor (``launch``, ``run_function``, ``run_command``, torchrun);
-- ``postmortem``: ``diagnose_dir`` on a kept folder; ``swimlane``: the plot; ``cli``: the command.
+- ``postmortem``: ``diagnose_dir`` on a kept folder; ``swimlane``: the plot; ``cli``: the command;
+- collectors for jobs the doctor did not start: ``pyspy`` (``attach``: py-spy on running ranks; ``merge`` of
+  many nodes) and ``flight_recorder`` (torch's Flight Recorder dumps).
 
 Kinds (stable names): ok, collective-mismatch, shape-mismatch, rank-missing, rank-exited, unknown.
 CLI: ``python -m helpers doctor --num-processes N -- script.py [args]`` (exit 0/3/4/5, 2 on usage).
@@ -26,7 +28,9 @@ from helpers.doctor.diagnosis import (
     position,
     python_history,
 )
+from helpers.doctor.flight_recorder import diagnose_dumps, read_dumps
 from helpers.doctor.postmortem import diagnose_dir
+from helpers.doctor.pyspy import Attached, AttachError, attach, find_ranks, merge
 from helpers.doctor.records import Evidence, Op, Position, RankView, fr_op, read_folder, read_new_records
 from helpers.doctor.runs import (
     launch,
@@ -39,7 +43,8 @@ from helpers.doctor.runs import (
 from helpers.doctor.watcher import DEFAULT_STALL_S, Doctor, HangDetected, MismatchDetected, keep
 from helpers.doctor.wording import short_error
 
-__all__ = ["DEFAULT_STALL_S", "EXIT_CODES", "FIXES", "KINDS", "Diagnosis", "Doctor", "Evidence",
+__all__ = ["DEFAULT_STALL_S", "EXIT_CODES", "FIXES", "KINDS", "AttachError", "Attached", "Diagnosis",
+           "Doctor", "Evidence", "attach", "diagnose_dumps", "find_ranks", "merge", "read_dumps",
            "HangDetected", "MismatchDetected", "Op", "Position", "RankReport", "RankView", "cli_main",
            "diagnose", "diagnose_dir", "first_divergence", "fr_op", "history", "keep", "launch",
            "launch_command", "position", "python_history", "read_folder", "read_new_records",

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import re
 import time
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field, fields, replace
 from typing import Any
 
 from helpers import report
@@ -58,6 +58,8 @@ class Diagnosis(report.ResultMixin):
                                metadata={"json": False})
     # the ranks' return values, when every rank returned (runs of a function)
     results: list[Any] | None = field(default=None, repr=False, compare=False, metadata={"json": False})
+    # what the evidence could not tell (stacks alone: no sequence numbers, no shapes)
+    notes: list[str] = field(default_factory=list)
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> Diagnosis:
@@ -67,7 +69,15 @@ class Diagnosis(report.ResultMixin):
                     for entry in data.get("per_rank") or []]
         return cls(verdict=data.get("verdict"), kind=data.get("kind"), ranks=list(data.get("ranks") or []),
                    summary=data.get("summary") or "", fix=data.get("fix") or "",
-                   detected_after_s=data.get("detected_after_s"), per_rank=per_rank)
+                   detected_after_s=data.get("detected_after_s"), per_rank=per_rank,
+                   notes=list(data.get("notes") or []))
+
+    def to_dict(self) -> dict[str, Any]:
+        """The doctor's JSON; ``notes`` (what the evidence could not tell) only when there are some."""
+        data = report.to_jsonable(self)
+        if not data["notes"]:
+            del data["notes"]
+        return data
 
     @property
     def exit_code(self) -> int:
@@ -91,7 +101,9 @@ class Diagnosis(report.ResultMixin):
         head = f"doctor: {self.verdict} ({self.kind})"
         if self.detected_after_s is not None:
             head += f", detected {self.detected_after_s:.1f} s after progress stopped"
-        return "\n".join([head, self.summary, "", report.text_table(rows, columns), "", "fix: " + self.fix])
+        notes = [f"note: {note}" for note in self.notes]
+        return "\n".join([head, self.summary, "", report.text_table(rows, columns), "", "fix: " + self.fix,
+                          *notes])
 
     def _repr_html_(self) -> str:
         import html
@@ -105,7 +117,8 @@ class Diagnosis(report.ResultMixin):
         return (f"<div><b style='color:{colour.get(self.verdict, '#000')}'>{html.escape(self.verdict)}"
                 f"</b> &middot; <code>{html.escape(self.kind)}</code>{when}"
                 f"<p>{html.escape(self.summary)}</p>{table}"
-                f"<p><b>Fix:</b> {html.escape(self.fix)}</p></div>")
+                f"<p><b>Fix:</b> {html.escape(self.fix)}</p>"
+                + "".join(f"<p><i>{html.escape(note)}</i></p>" for note in self.notes) + "</div>")
 
     def swimlane(self, title: str | None = None):
         """A matplotlib Figure: one lane per rank, collectives as boxes, the divergence marked."""
@@ -115,9 +128,15 @@ class Diagnosis(report.ResultMixin):
 
 
 def diagnose(views: dict[int, RankView], num_processes: int, reason: str,
-             detected_after_s: float | None, stacks: dict[int, str] | None = None) -> Diagnosis:
-    """Name what went wrong from the ranks' views. ``reason``: stall, exited, failure, timeout, finished."""
-    positions = {rank: position(views[rank]) if rank in views else Position(rank, "exited")
+             detected_after_s: float | None, stacks: dict[int, str] | None = None,
+             unseen_missing: bool = False) -> Diagnosis:
+    """Name what went wrong from the ranks' views. ``reason``: stall, exited, failure, timeout, finished.
+
+    A rank without a view has exited, unless ``unseen_missing`` (evidence from one node of many:
+    the others' ranks were not looked at): then it is "unseen" and judged by nobody.
+    """
+    missing = Position(0, "unseen") if unseen_missing else Position(0, "exited")
+    positions = {rank: position(views[rank]) if rank in views else replace(missing, rank=rank)
                  for rank in range(num_processes)}
     histories = {rank: history(view) for rank, view in views.items()}
     kind, culprits, summary = _classify(positions, histories, views)
@@ -310,6 +329,8 @@ def _classify(positions: dict[int, Position], histories: dict[int, dict], views:
     if python is not None and (divergence is None or (python[0][1], -len(python[2])) <
                                (divergence[0][1], -len(divergence[2]))):
         divergence = python  # earlier, or as early and seen by more ranks (a killed rank has no FR)
+    if divergence is None:
+        divergence = _current_divergence(positions)
     if divergence is not None:
         return _divergence_kind(divergence, positions, histories)
     exited = _exited_culprits(positions)
@@ -323,6 +344,21 @@ def _classify(positions: dict[int, Position], histories: dict[int, dict], views:
         return "ok", [], (f"All {len(positions)} ranks finished; their collectives matched "
                           f"({count} compared per rank).")
     return "unknown", [], wording.unknown_summary(positions)
+
+
+def _current_divergence(positions: dict[int, Position]):
+    """With no sequence numbers at all (stacks alone): ranks waiting in different collectives now.
+
+    Keyed (group, -1): "the collective each waits in now", not a numbered one.
+    """
+    waiting = {rank: pos.op for rank, pos in positions.items()
+               if pos.state == "in-collective" and pos.op is not None}
+    if len(waiting) < 2 or any(op.seq is not None for op in waiting.values()):
+        return None
+    groups: dict[tuple, list[int]] = {}
+    for rank, op in sorted(waiting.items()):
+        groups.setdefault(op.signature(), []).append(rank)
+    return (("0", -1), groups, waiting) if len(groups) > 1 else None
 
 
 def first_divergence(histories: dict[int, dict[tuple[str, int], Op]]):

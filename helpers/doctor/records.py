@@ -168,11 +168,14 @@ def read_new_records(view: RankView, path: Path) -> None:
 
 
 def fr_op(entry: dict[str, Any]) -> Op:
-    """A Flight Recorder entry as an ``Op`` (its names and dtypes in torch's spelling)."""
+    """A Flight Recorder entry as an ``Op`` (its names and dtypes in torch's spelling; the user's
+    line when a dump's frames gave one: ``entry["site"]``)."""
+    site = entry.get("site") or {}
     return Op(op=entry["profiling_name"], pg=entry.get("pg", "0"), seq=entry["collective_seq_id"],
               shapes=entry.get("input_sizes"), source="flight-recorder",
               dtypes=[FR_DTYPES.get(d, d) for d in entry.get("input_dtypes") or []],
-              start=(entry.get("time_created_ns") or 0) / 1e9)
+              start=(entry.get("time_created_ns") or 0) / 1e9, where=site.get("where"),
+              file=site.get("file"), line=site.get("line"))
 
 
 @dataclass

@@ -218,6 +218,6 @@ def keep(run_dir: Path, keep_dir: Path, diagnosis: Diagnosis | None) -> None:
         for path in Path(run_dir).glob(pattern):
             shutil.copyfile(path, keep_dir / path.name)
     if diagnosis is not None:
-        report.atomic_write_json(rundir.diagnosis_path(keep_dir), diagnosis)
+        report.atomic_write_json(rundir.diagnosis_path(keep_dir), diagnosis.to_dict())
 
 

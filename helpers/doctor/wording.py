@@ -105,6 +105,11 @@ def divergence_summary(kind: str, key: tuple[str, int], present: dict[int, Op], 
                if len(culprits) < len(present) else "Every rank must pass the same shape and dtype.")
         return (f"Ranks called {_op_name(op)}{where} (collective #{seq}) with different shapes or dtypes: "
                 + "; ".join(parts) + ". " + odd)
+    if seq < 0:  # stacks alone: the collective each rank waits in now
+        parts = [f"rank {rank} in {_op_name(op)}{' at ' + op.where if op.where else ''}"
+                 for rank, op in sorted(present.items())]
+        return ("Ranks wait in different collectives: " + "; ".join(parts)
+                + f". {ranks_text(culprits)} took a different path from the others.")
     parts = []
     for rank, op in sorted(present.items()):
         where, extra = op.where, ""

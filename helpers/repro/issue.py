@@ -44,7 +44,7 @@ def write_report(run: ReproRun, fixed: ReproRun | Note | None = None, out_dir: s
     summary = report_summary(run, fixed)
     text = redact.for_report(report_markdown(run, fixed, facts, summary))
     markdown = report.atomic_write_text(folder / "report.md", text)
-    diagnosis = report.atomic_write_json(rundir.diagnosis_path(folder), run.diagnosis)
+    diagnosis = report.atomic_write_json(rundir.diagnosis_path(folder), run.diagnosis.to_dict())
     return IssueFiles(str(markdown), str(diagnosis), redact.for_report(summary))
 
 

@@ -1,0 +1,244 @@
+"""The doctor on jobs it did not start: attach with py-spy to plain torchrun jobs, merge nodes, read
+torch's Flight Recorder dumps. Every job here is a real torchrun job over loopback, hung on purpose,
+and is stopped with its whole tree at the end of its test module."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import psutil
+import pytest
+
+from helpers import doctor, procs
+from helpers.launch import launch
+
+HANG = textwrap.dedent("""\
+    import os, pathlib, time
+    import torch.distributed as dist
+
+    def main():
+        dist.init_process_group("gloo")
+        pathlib.Path(os.environ["READY_DIR"], f"ready-{dist.get_rank()}").touch()
+        if dist.get_rank() == int(os.environ.get("CULPRIT", "1")):
+            while True:
+                time.sleep(0.05)  # line: culprit
+        dist.barrier()  # line: barrier
+
+    if __name__ == "__main__":
+        main()
+    """)
+START_S = 120.0  # torch imports on a loaded 2-core machine
+
+
+def _line(marker: str) -> int:
+    return next(n for n, text in enumerate(HANG.splitlines(), 1) if f"# line: {marker}" in text)
+
+
+class Job:
+    """A plain torchrun job (one or several agents) that hangs: rank CULPRIT never reaches the barrier."""
+
+    def __init__(self, folder: Path, nodes: int = 1, per_node: int = 2, culprit: int = 1):
+        self.folder, self.world = folder, nodes * per_node
+        self.script = folder / "hang_job.py"
+        self.script.write_text(HANG)
+        port = procs.free_port()
+        env = {**os.environ, "READY_DIR": str(folder), "CULPRIT": str(culprit), "TMPDIR": str(folder)}
+        self.agents = []
+        for node in range(nodes):
+            work = folder / f"node{node}"
+            work.mkdir()
+            argv = [sys.executable, "-m", "torch.distributed.run", "--nnodes", str(nodes),
+                    "--nproc-per-node", str(per_node), "--node-rank", str(node), "--master-addr",
+                    "127.0.0.1", "--master-port", str(port), "--max-restarts", "0", str(self.script)]
+            self.agents.append(subprocess.Popen(argv, cwd=work, env=env, stdout=subprocess.DEVNULL,
+                                                stderr=subprocess.DEVNULL, stdin=subprocess.DEVNULL))
+
+    def wait_ready(self) -> None:
+        """Until every rank created its group (a file each); then the job hangs for good."""
+        deadline = time.monotonic() + START_S
+        while len(list(self.folder.glob("ready-*"))) < self.world:
+            assert time.monotonic() < deadline, "the job's ranks did not start"
+            assert all(agent.poll() is None for agent in self.agents), "an agent ended early"
+            time.sleep(0.1)
+
+    def ranks(self) -> list[psutil.Process]:
+        return [p for agent in self.agents for p in psutil.Process(agent.pid).children()
+                if str(self.script) in " ".join(p.cmdline())]
+
+    def stop(self) -> None:
+        """Stop every agent with its whole tree; nothing of the job may be left."""
+        for agent in self.agents:
+            procs.stop_tree(agent)
+        left = [p.pid for p in psutil.process_iter(["cmdline"])
+                if str(self.script) in " ".join(p.info["cmdline"] or [])]
+        assert not left, f"job processes left: {left}"
+
+
+@pytest.fixture(scope="module")
+def job(tmp_path_factory):
+    running = Job(tmp_path_factory.mktemp("job"))
+    try:
+        running.wait_ready()
+        yield running
+    finally:
+        running.stop()
+
+
+def _snapshot(job: Job) -> list[tuple[int, float]]:
+    return sorted((p.pid, p.create_time()) for p in job.ranks())
+
+
+def test_attach_by_the_agent_names_the_culprit_and_leaves_the_job_running(job):
+    before = _snapshot(job)
+    [found] = doctor.attach(str(job.agents[0].pid))
+    diagnosis = found.diagnosis
+    assert (diagnosis.verdict, diagnosis.kind, diagnosis.ranks) == ("hang", "rank-missing", [1]), \
+        diagnosis.text()
+    assert diagnosis.per_rank[0].op == "barrier"
+    assert diagnosis.per_rank[0].location == f"{job.script.name}:{_line('barrier')}"
+    assert diagnosis.per_rank[1].location == f"{job.script.name}:{_line('culprit')}"
+    assert any("sequence numbers" in note for note in diagnosis.notes)  # what stacks cannot tell
+    assert _snapshot(job) == before, "attaching must leave the same processes"
+    assert all(p.status() != psutil.STATUS_STOPPED for p in job.ranks())
+
+
+def test_attach_by_a_rank_and_auto_find_the_same_job(job):
+    rank_pid = job.ranks()[0].pid
+    [by_rank] = doctor.attach(str(rank_pid))
+    assert sorted(p.pid for p in by_rank.ranks) == sorted(p.pid for p in job.ranks())
+    found = [part for part in doctor.attach("auto") if part.job == by_rank.job]
+    assert len(found) == 1 and found[0].diagnosis.ranks == [1]
+
+
+def test_attach_cli_writes_the_doctors_json(job, tmp_path):
+    out = tmp_path / "node.json"
+    done = subprocess.run([sys.executable, "-m", "helpers", "doctor", "--attach", str(job.agents[0].pid),
+                           "--native", "--json", str(out)], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 3, done.stderr  # a hang
+    data = json.loads(out.read_text())
+    assert {"verdict", "kind", "ranks", "per_rank", "summary", "fix", "detected_after_s"} <= set(data)
+    assert [entry["rank"] for entry in data["per_rank"]] == [0, 1]
+    assert {"rank", "location", "state", "op", "exit_code"} <= set(data["per_rank"][0])
+    assert set(data["stacks"]) == {"0", "1"} and data["native"] is True
+    assert any(frame["native"] for frame in data["stacks"]["0"]), "--native reads C++ frames"
+
+
+def test_two_agents_attached_one_by_one_then_merged(tmp_path):
+    # two torchrun agents over 127.0.0.1, the same commands a two-node cluster runs; the culprit is
+    # rank 3, on the second node
+    two = Job(tmp_path, nodes=2, per_node=2, culprit=3)
+    try:
+        two.wait_ready()
+        files = []
+        for node, agent in enumerate(two.agents):
+            files.append(tmp_path / f"node-{node}.json")
+            done = subprocess.run([sys.executable, "-m", "helpers", "doctor", "--attach", str(agent.pid),
+                                   "--json", str(files[-1])], capture_output=True, text=True, timeout=120)
+            assert done.returncode in (0, 3), done.stderr
+        first = json.loads(files[0].read_text())
+        assert first["ranks"] == [] and [p["state"] for p in first["per_rank"]][2:] == ["unseen"] * 2
+        merged = tmp_path / "job.json"
+        done = subprocess.run([sys.executable, "-m", "helpers", "doctor", "--merge", *map(str, files),
+                               "--json", str(merged)], capture_output=True, text=True, timeout=60)
+        assert done.returncode == 3, done.stderr
+        data = json.loads(merged.read_text())
+        assert (data["kind"], data["ranks"]) == ("rank-missing", [3]), data["summary"]
+        assert data["per_rank"][3]["location"] == f"{two.script.name}:{_line('culprit')}"
+    finally:
+        two.stop()
+
+
+def test_bad_targets_exit_2_saying_what_to_do(tmp_path):
+    sleeper = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        cases = [("999999", "no process with pid 999999"),
+                 (str(sleeper.pid), "is not a torch.distributed rank"),
+                 ("twelve", "give a process id or 'auto'")]
+        for target, message in cases:
+            done = subprocess.run([sys.executable, "-m", "helpers", "doctor", "--attach", target],
+                                  capture_output=True, text=True, timeout=60)
+            assert done.returncode == 2 and message in done.stderr, (target, done.stderr)
+    finally:
+        sleeper.kill()
+        sleeper.wait()
+
+
+def _as_nobody(code: str) -> subprocess.CompletedProcess:
+    return subprocess.run(["setpriv", "--reuid=65534", "--regid=65534", "--clear-groups", sys.executable,
+                           "-c", code], capture_output=True, text=True, timeout=60, cwd="/",
+                          env={**os.environ, "HOME": "/"})
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="needs root to run a process as another user")
+def test_no_ptrace_permission_is_explained(job):
+    # a user who does not own the job: neither its environment nor py-spy's ptrace are allowed
+    pid = job.ranks()[0].pid
+    done = _as_nobody(f"from helpers.doctor import pyspy\ntry:\n    pyspy.find_ranks('{pid}')\n"
+                      f"except pyspy.AttachError as e:\n    print(e)\n")
+    assert "no permission to read pid" in done.stdout and "SYS_PTRACE" in done.stdout, done.stderr
+    done = _as_nobody(f"from helpers.doctor import pyspy\ntry:\n    pyspy.dump_stack({pid})\n"
+                      f"except pyspy.AttachError as e:\n    print(e)\n")
+    assert "no permission to read pid" in done.stdout, done.stdout + done.stderr
+    assert "kernel.yama.ptrace_scope" in done.stdout and "--cap-add SYS_PTRACE" in done.stdout
+
+
+def test_merge_refuses_files_that_are_not_attach_results(tmp_path):
+    bad = tmp_path / "bad.json"
+    bad.write_text('{"verdict": "hang"}')
+    done = subprocess.run([sys.executable, "-m", "helpers", "doctor", "--merge", str(bad)],
+                          capture_output=True, text=True, timeout=60)
+    assert done.returncode == 2 and f"merge: {bad} is not a file written by" in done.stderr
+
+
+# ---------------------------------------------------------------------------------------------
+# Flight Recorder dumps from real gloo ranks
+
+
+def _dump_after_a_missed_all_reduce(folder: str) -> None:
+    """Rank 0 enters a 4th all_reduce that rank 1 never issues; after gloo's (short) timeout both
+    write torch's Flight Recorder dump, as NCCL would at its timeout."""
+    import datetime
+
+    import torch
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=3))
+    rank, tensor = dist.get_rank(), torch.ones(4)
+    for _ in range(3):
+        dist.all_reduce(tensor)
+    if rank == 0:
+        try:
+            dist.all_reduce(tensor)  # line: missed
+        except RuntimeError:
+            pass
+    Path(folder, f"fr_trace_rank_{rank}").write_bytes(torch._C._distributed_c10d._dump_fr_trace())
+    if rank == 1:
+        time.sleep(4)  # rank 0 times out first
+    dist.destroy_process_group()
+
+
+def test_from_fr_names_the_missing_rank_and_the_line(tmp_path):
+    launch(_dump_after_a_missed_all_reduce, (str(tmp_path),), num_processes=2, init_group=False,
+           timeout_s=120, env={"TORCH_FR_BUFFER_SIZE": "2000"})
+    diagnosis = doctor.diagnose_dumps(tmp_path)
+    assert (diagnosis.verdict, diagnosis.kind, diagnosis.ranks) == ("hang", "rank-missing", [1])
+    assert diagnosis.per_rank[0].op == "all_reduce" and diagnosis.per_rank[0].seq == 4
+    missed = next(n for n, text in enumerate(Path(__file__).read_text().splitlines(), 1)
+                  if "# line: missed" in text)
+    assert diagnosis.per_rank[0].location == f"{Path(__file__).name}:{missed}"
+    done = subprocess.run([sys.executable, "-m", "helpers", "doctor", "--from-fr", str(tmp_path)],
+                          capture_output=True, text=True, timeout=60)
+    assert done.returncode == 3 and "collective #4" in done.stderr, done.stderr
+
+
+def test_from_fr_refuses_a_folder_without_dumps(tmp_path):
+    (tmp_path / "notes.txt").write_text("no pickle here")
+    done = subprocess.run([sys.executable, "-m", "helpers", "doctor", "--from-fr", str(tmp_path)],
+                          capture_output=True, text=True, timeout=60)
+    assert done.returncode == 2 and "holds no Flight Recorder dump" in done.stderr
