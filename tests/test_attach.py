@@ -242,3 +242,24 @@ def test_from_fr_refuses_a_folder_without_dumps(tmp_path):
     done = subprocess.run([sys.executable, "-m", "helpers", "doctor", "--from-fr", str(tmp_path)],
                           capture_output=True, text=True, timeout=60)
     assert done.returncode == 2 and "holds no Flight Recorder dump" in done.stderr
+
+
+def test_a_hang_found_by_attach_becomes_a_replay_with_the_same_diagnosis(job, tmp_path):
+    from helpers import repro
+
+    [found] = doctor.attach(str(job.agents[0].pid))
+    found.to_json(tmp_path / "attached.json")
+    script = repro.build_replay(tmp_path / "attached.json", tmp_path / "out")
+    assert script.expected == {"kind": "rank-missing", "verdicts": [], "ranks": [1]}
+    run = repro.run_script(script, stall_s=3.0, timeout_s=120)
+    assert run.as_expected, run.verdict()
+
+
+def test_a_folder_of_dumps_becomes_a_replay(tmp_path):
+    from helpers.repro import replay
+
+    launch(_dump_after_a_missed_all_reduce, (str(tmp_path),), num_processes=2, init_group=False,
+           timeout_s=120)
+    plan = replay.plan_replay(replay.load_recording(tmp_path))
+    assert [len(rank.steps) for rank in plan.ranks] == [4, 3]
+    assert [rank.end for rank in plan.ranks] == ["wait", "busy"]

@@ -41,9 +41,9 @@ def cli_main(argv: list[str]) -> int:
     if len(modes) > 1 or (modes and command):
         return cli.usage_error(f"give one of --attach, --merge, --from-fr or a script after '--'\n{USAGE}")
     try:
-        if args.attach:
+        if args.attach or args.merge:
             return _attach(args)
-        diagnosis = _diagnosis(args) if (args.merge or args.from_fr) else None
+        diagnosis = _diagnosis(args) if args.from_fr else None
     except ValueError as exc:  # pyspy.AttachError included: bad input, permissions
         return cli.usage_error(str(exc))
     if diagnosis is None:
@@ -81,7 +81,7 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def _attach(args: argparse.Namespace) -> int:
-    found = pyspy.attach(args.attach, native=args.native)
+    found = [pyspy.merge(args.merge)] if args.merge else pyspy.attach(args.attach, native=args.native)
     for part in found:
         print(part.text(), file=sys.stderr)
     if args.json:
@@ -91,8 +91,6 @@ def _attach(args: argparse.Namespace) -> int:
 
 
 def _diagnosis(args: argparse.Namespace) -> Diagnosis:
-    if args.merge:
-        return pyspy.merge(args.merge)
     return flight_recorder.diagnose_dumps(args.from_fr)
 
 

@@ -352,7 +352,7 @@ def attach(target: str, native: bool = False) -> list[Attached]:
             for job, (members, stacks) in jobs.items()]
 
 
-def merge(paths: list[str | Path]) -> Diagnosis:
+def merge(paths: list[str | Path]) -> Attached:
     """One diagnosis of the whole world from the files ``--attach`` wrote on each node."""
     parts = [_read_part(Path(path)) for path in paths]
     worlds = {part["world_size"] for part in parts}
@@ -364,7 +364,12 @@ def merge(paths: list[str | Path]) -> Diagnosis:
             if int(rank) in stacks:
                 raise AttachError(f"merge: rank {rank} appears twice ({path} and an earlier file)")
             stacks[int(rank)] = frames
-    return diagnose_stacks(stacks, worlds.pop(), native=all(p.get("native") for p in parts))
+    world, native = worlds.pop(), all(part.get("native") for part in parts)
+    ranks = [RankProcess(pid, int(rank), world, None, None, part.get("job", "?"), part.get("host", "?"))
+             for part in parts for rank, pid in (part.get("pids") or {}).items()]
+    hosts = ", ".join(sorted({str(part.get("host", "?")) for part in parts}))
+    return Attached(diagnose_stacks(stacks, world, native), hosts, world, parts[0].get("job", "?"),
+                    sorted(ranks, key=lambda r: r.rank), stacks, 0.0, native)
 
 
 def _read_part(path: Path) -> dict[str, Any]:

@@ -23,13 +23,15 @@ from __future__ import annotations
 
 import json
 import signal
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from helpers import params, redact, rundir
 from helpers.collectives import canonical_op
-from helpers.doctor import RankView, history, read_folder
+from helpers.doctor import RankView, flight_recorder, history, read_folder
+from helpers.doctor.pyspy import view_from_stack
 
 DEFAULT_PG = "0"
 MESSAGE_LIMIT = 300  # characters of a recorded error message kept in the replay
@@ -89,11 +91,18 @@ class Recording:
 
 
 def load_recording(folder: str | Path) -> Recording:
-    """Read a kept run; a ValueError names the parameter (``from_trace``) and what is wrong."""
+    """Read what the doctor recorded: a folder kept with ``--keep``, a folder of torch's Flight
+    Recorder dumps, or the JSON of ``--attach`` (or ``--merge``). A ValueError names the parameter
+    (``from_trace``) and what is wrong."""
     path = params.resolve_path(folder)
+    if path.is_file():
+        return _from_attach(path)
     if not path.is_dir():
         raise ValueError(f"from_trace must be a folder kept by `python -m helpers doctor --keep DIR -- "
-                         f"script.py`; {path} {'is a file' if path.exists() else 'does not exist'}")
+                         f"script.py`, a folder of Flight Recorder dumps or the JSON of `--attach`; "
+                         f"{path} does not exist")
+    if not rundir.diagnosis_path(path).exists() and not rundir.traced_ranks(path):
+        return _from_dumps(path)
     diagnosis = _read_diagnosis(rundir.diagnosis_path(path))
     count = len(diagnosis["per_rank"])
     peers: dict[int, dict[int, int]] = {}
@@ -104,6 +113,47 @@ def load_recording(folder: str | Path) -> Recording:
             view.ended = True
             view.exit_code = 0 if entry.get("state") == "finished" else entry.get("exit_code")
     return Recording(path, count, diagnosis, views, peers)
+
+
+def _from_dumps(folder: Path) -> Recording:
+    """A recording from Flight Recorder dumps: each rank's collectives as it recorded them."""
+    try:
+        dumps = flight_recorder.read_dumps(folder)
+    except ValueError as exc:
+        raise ValueError(str(exc).replace("from_fr", "from_trace", 1)) from None
+    diagnosis = flight_recorder.diagnose_dumps(folder).to_dict()
+    views = flight_recorder.views_from_dumps(dumps)
+    missing = sorted(set(range(len(diagnosis["per_rank"]))) - set(views))
+    if missing:
+        raise ValueError(f"from_trace: {folder} holds no dump for ranks {missing}: a replay needs every rank")
+    return Recording(folder, len(diagnosis["per_rank"]), diagnosis, views)
+
+
+def _from_attach(path: Path) -> Recording:
+    """A recording from stacks (``--attach``): each rank issues the collective it waits in, if any.
+
+    Stacks hold no history: the replay starts where the ranks were, which is where the hang is.
+    """
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, UnicodeDecodeError, ValueError) as exc:
+        raise ValueError(f"from_trace: {path} is not JSON: {exc}") from None
+    stacks = data.get("stacks") if isinstance(data, dict) else None
+    if not isinstance(stacks, dict) or not isinstance(data.get("per_rank"), list):
+        raise ValueError(f"from_trace: {path} is not the JSON of `python -m helpers doctor --attach` "
+                         "(no 'stacks'); give a folder kept with --keep, or a folder of dumps")
+    count = len(data["per_rank"])
+    missing = sorted(set(range(count)) - {int(rank) for rank in stacks})
+    if missing:
+        raise ValueError(f"from_trace: {path} has no stacks of ranks {missing} (other nodes): merge every "
+                         "node's file first (`python -m helpers doctor --merge ... --json job.json`)")
+    views = {}
+    for rank, frames in stacks.items():
+        view = view_from_stack(int(rank), frames, time.time())
+        for op in view.open.values():
+            op.seq = 1  # the one collective a stack shows: the first (and only) one replayed
+        views[int(rank)] = view
+    return Recording(path, count, data, views)
 
 
 def _read_diagnosis(path: Path) -> dict[str, Any]:
