@@ -565,6 +565,9 @@ class _Module:
         self.functions: dict[str, list[ast.FunctionDef | ast.AsyncFunctionDef]] = {}
         for node in self.of(ast.FunctionDef, ast.AsyncFunctionDef):
             self.functions.setdefault(node.name, []).append(node)
+        # names defined only as methods: a plain call `evaluate(...)` does not run them
+        self.methods_only = {name for name, defs in self.functions.items()
+                             if all(isinstance(self.scope_of[id(fn)], ast.ClassDef) for fn in defs)}
         self.classes: dict[str, list[ast.ClassDef]] = {}
         for node in self.of(ast.ClassDef):
             self.classes.setdefault(node.name, []).append(node)
@@ -632,7 +635,8 @@ class _Module:
     def callee(self, call: ast.Call) -> str | None:
         """The name of a function defined in this file that ``call`` calls, if any."""
         func = call.func
-        if isinstance(func, ast.Name) and func.id in self.functions and func.id not in self.aliases:
+        if isinstance(func, ast.Name) and func.id in self.functions and func.id not in self.aliases \
+                and func.id not in self.methods_only:
             return func.id
         if isinstance(func, ast.Attribute) and isinstance(func.value, ast.Name) \
                 and func.value.id in ("self", "cls") and func.attr in self.functions:
@@ -1204,8 +1208,11 @@ class _Flow:
         self.call_sources: dict[int, _Source] = {}
         self.function = scope if isinstance(scope, (ast.FunctionDef, ast.AsyncFunctionDef)) else None
         state: set[str] = set()
+        self.params: set[str] = set()
         if self.function is not None:  # parameters named like a batch or a loss differ between ranks
             args = self.function.args
+            self.params = {a.arg for a in [*args.posonlyargs, *args.args, *args.kwonlyargs, args.vararg,
+                                           args.kwarg] if a is not None}
             given = params_vary if isinstance(params_vary, frozenset) else frozenset()
             state = {a.arg for a in [*args.posonlyargs, *args.args, *args.kwonlyargs, args.vararg, args.kwarg]
                      if a is not None and a.arg not in ("self", "cls")
@@ -1270,7 +1277,15 @@ class _Flow:
             return _text(call)
         args = self.first_why([*call.args, *call.keywords], state)
         name = self.mod.callee(call)
-        hit = (self.mod, self.mod.functions[name]) if name is not None else self.mod.target(call)
+        if name is not None and isinstance(call.func, ast.Name):
+            if name in self.params:  # a parameter of the same name hides the function
+                name = None
+            else:
+                defs = [fn for fn in self.mod.functions[name]
+                        if not isinstance(self.mod.scope_of[id(fn)], ast.ClassDef)]
+        elif name is not None:
+            defs = self.mod.functions[name]
+        hit = (self.mod, defs) if name is not None else self.mod.target(call)
         if hit is not None:  # a function the lint can read: follow it
             mod, fns = hit
             varying = next((fn for fn in fns if mod.returns_vary(fn, self.bind(fn, call, state))), None)
