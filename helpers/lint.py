@@ -15,7 +15,13 @@ script breaks that, before it hangs on a cluster:
   ``notebook_launcher``, which forks.
 
 The checks are heuristics over one file at a time (a notebook's cells count as one file, run in
-order): a function defined in another module is not followed.
+order). A call is followed into a function of the same file, or of a module the file imports that
+the lint can find next to it (the file's folder and up to ``PARENT_ROOTS`` folders above it, never
+site-packages: library code is opaque by design), at most ``MAX_FOLLOW_DEPTH`` imports deep and
+``MAX_FOLLOW_FILES`` files per linted file. A function it cannot read (a parameter, a method of an
+unknown object, a library call) is opaque: its result differs between ranks when one of its inputs
+does (a rank's batch or loss) or is a rank's own data (a dataloader, which each rank reads its own
+shard of).
 """
 
 from __future__ import annotations
@@ -151,6 +157,18 @@ MISREMEMBERED = {
 }
 CUDA_SAFE = {"is_initialized", "device_count", "OutOfMemoryError"}  # do not initialise CUDA
 PYTHON_CELL_MAGICS = {"time", "timeit", "capture", "prun"}
+# an opaque call reading one of these (by name) gets this rank's own data: a prepared dataloader
+LOADER_WORDS = {"loader", "dataloader", "dl", "batches"}
+# builtins that read every item of an iterable (len does not: every rank has as many batches)
+CONSUMING_BUILTINS = {"list", "tuple", "sorted", "sum", "max", "min", "set", "any", "all"}
+# calls whose result stands for the loader itself (names assigned from them are loaders too)
+LOADER_WRAPPERS = {"prepare", "prepare_data_loader", "skip_first_batches", "DataLoader", "tqdm", "iter",
+                   "cycle", "islice"}
+# following calls into other files (see the module docstring)
+MAX_FOLLOW_DEPTH = 3
+MAX_FOLLOW_FILES = 8
+MAX_FOLLOW_BYTES = 1_000_000
+PARENT_ROOTS = 2
 UNSYNCED = "can differ between ranks (it does not come from check_trigger, gather, reduce or broadcast)"
 
 
@@ -234,7 +252,9 @@ def lint_paths(paths: str | Path | Sequence[str | Path]) -> LintResult:
 def lint_source(source: str, filename: str = "<source>", notebook: bool = False) -> LintResult:
     """Lint Python source text (or a notebook's JSON text with ``notebook=True``)."""
     parsed = _read_notebook(source, filename) if notebook else _read_python(source, filename)
-    return LintResult(files=[filename], findings=_Module(parsed).findings())
+    path = Path(filename)  # imports are followed only from a file that exists
+    project = _Project(path) if path.is_file() else None
+    return LintResult(files=[filename], findings=_Module(parsed, project).findings())
 
 
 def cli_main(argv: Sequence[str]) -> int:
@@ -307,7 +327,7 @@ def _lint_file(path: Path) -> list[Finding]:
         parsed = _read_notebook(text, str(path))
     else:
         parsed = _read_python(text, str(path))
-    return _Module(parsed).findings()
+    return _Module(parsed, _Project(path)).findings()
 
 
 def _read_python(text: str, file: str) -> _Parsed:
@@ -340,6 +360,48 @@ def _read_notebook(text: str, file: str) -> _Parsed:
         starts.append((offset + 1, number))
         offset += code.count("\n") + 1
     return _Parsed(file, ast.Module(body=body, type_ignores=[]), starts or [(1, 1)])
+
+
+class _Project:
+    """The files that one linted file's imports reach: found on disk, parsed once, within bounds."""
+
+    def __init__(self, origin: Path):
+        origin = origin.resolve()
+        folders = [origin.parent, *origin.parent.parents][: PARENT_ROOTS + 1]
+        # library code is opaque by design: a project's own modules sit next to its scripts
+        self.roots = [f for f in folders if f.name not in ("site-packages", "dist-packages")]
+        self.modules: dict[Path, _Module | None] = {origin: None}
+        self.files_left = MAX_FOLLOW_FILES
+        self._found: dict[tuple[Path, str], Path | None] = {}
+
+    def module(self, path: Path, depth: int) -> _Module | None:
+        """The parsed module of ``path`` (None past the bounds, or when it does not parse)."""
+        if path in self.modules:
+            return self.modules[path]
+        self.modules[path] = None  # a circular import reads as opaque
+        if depth > MAX_FOLLOW_DEPTH or self.files_left <= 0:
+            return None
+        self.files_left -= 1
+        try:
+            if path.stat().st_size > MAX_FOLLOW_BYTES:
+                return None
+            parsed = _read_python(path.read_text(encoding="utf-8"), str(path))
+        except (OSError, UnicodeDecodeError, LintUsageError):
+            return None
+        self.modules[path] = _Module(parsed, self, depth)
+        return self.modules[path]
+
+    def find(self, folders: Iterable[Path], dotted: str) -> Path | None:
+        """The file of module ``a.b`` under the first folder that has ``a/b.py`` or ``a/b/__init__.py``."""
+        for folder in folders:
+            key = (folder, dotted)
+            if key not in self._found:
+                base = folder.joinpath(*dotted.split("."))
+                self._found[key] = next((p for p in (base.with_suffix(".py"), base / "__init__.py")
+                                         if p.is_file()), None)
+            if self._found[key] is not None:
+                return self._found[key]
+        return None
 
 
 _MAGIC_LINE = re.compile(r"^(\s*)(%{1,2}[A-Za-z]|!|\?|[\w.]+\?\??\s*$)")  # %magic, !shell, ?x, x?
@@ -458,6 +520,25 @@ class _Loop:
     first: tuple[_Op, ast.Call] | None  # the first collective it runs
 
 
+@dataclass(frozen=True)
+class _Source:
+    """The call a rank-varying value came from: a function followed, or one the lint cannot read."""
+
+    call: str  # the call as written
+    line: int
+    callee: str  # its name as written
+    data: str = ""  # opaque: the rank's own data it was given (a dataloader)
+    where: str = ""  # followed: where the function is
+
+    def clause(self, where: str) -> str:
+        if self.data:
+            return (f"; it comes from `{self.call}` ({where}), which the lint cannot read and which reads "
+                    f"this rank's own `{self.data}`, so each rank gets its own value unless "
+                    f"{self.callee}() reduces across ranks")
+        return (f"; it comes from `{self.call}` ({where}), and `{self.callee}` ({self.where}) returns it "
+                "without reducing it across ranks")
+
+
 @dataclass
 class _Guard:
     node: ast.stmt  # the if (match, while) statement
@@ -465,6 +546,7 @@ class _Guard:
     why: str | None  # the rank-varying part of the test, None when every rank agrees
     depth: int  # enclosing loops when entered
     for_exits: bool = True  # False for a while loop's own test
+    source: _Source | None = None  # the call the varying part came from, when known
 
 
 # --- one file --------------------------------------------------------------------------------------
@@ -473,14 +555,24 @@ class _Guard:
 class _Module:
     """One parsed file: import aliases, Accelerator names, function summaries, and the checks."""
 
-    def __init__(self, parsed: _Parsed):
+    def __init__(self, parsed: _Parsed, project: _Project | None = None, depth: int = 0):
         self.parsed = parsed
         self.tree = parsed.tree
+        self.project, self.depth = project, depth
+        self.path = Path(parsed.file).resolve() if project is not None else None
         self._index()
         self.aliases = _import_aliases(self.of(ast.Import, ast.ImportFrom))
         self.functions: dict[str, list[ast.FunctionDef | ast.AsyncFunctionDef]] = {}
         for node in self.of(ast.FunctionDef, ast.AsyncFunctionDef):
             self.functions.setdefault(node.name, []).append(node)
+        # names defined only as methods: a plain call `evaluate(...)` does not run them
+        self.methods_only = {name for name, defs in self.functions.items()
+                             if all(isinstance(self.scope_of[id(fn)], ast.ClassDef) for fn in defs)}
+        self.classes: dict[str, list[ast.ClassDef]] = {}
+        for node in self.of(ast.ClassDef):
+            self.classes.setdefault(node.name, []).append(node)
+        self._targets: dict[int, tuple[_Module, list] | None] = {}
+        self.instances, self.loader_names = self._instances_and_loaders()
         # calls each function makes (functions that run on one process only are reported inside)
         self.fn_calls = {name: _in_order(c for fn in defs if not _rank_decorator(fn)
                                          for c in self.calls_in[id(fn)])
@@ -491,7 +583,7 @@ class _Module:
         self.rank_names = self._rank_names()
         self.collective_fns = self._summarise(self._direct_collective)
         self.cuda_fns = self._summarise(self._cuda_touch)
-        self._returns: dict[tuple[str, bool], bool] = {}
+        self._returns: dict[tuple, bool] = {}
         # every collective call of the file in source order, to find those under some statements fast
         calls = _in_order(self.of(ast.Call))
         self._all_ops = [(op, call) for call in calls if (op := self.collective(call)) is not None]
@@ -543,7 +635,8 @@ class _Module:
     def callee(self, call: ast.Call) -> str | None:
         """The name of a function defined in this file that ``call`` calls, if any."""
         func = call.func
-        if isinstance(func, ast.Name) and func.id in self.functions and func.id not in self.aliases:
+        if isinstance(func, ast.Name) and func.id in self.functions and func.id not in self.aliases \
+                and func.id not in self.methods_only:
             return func.id
         if isinstance(func, ast.Attribute) and isinstance(func.value, ast.Name) \
                 and func.value.id in ("self", "cls") and func.attr in self.functions:
@@ -608,6 +701,12 @@ class _Module:
             if name in self.collective_fns:
                 inner, line, key = self.collective_fns[name]
                 op = _Op(key, f"{name}()", f"runs `{inner}` ({self.parsed.where(line)}), a collective")
+            elif op is None and name is None and (hit := self.target(call)) is not None:
+                mod, fns = hit
+                if fns[0].name in mod.collective_fns:
+                    inner, line, key = mod.collective_fns[fns[0].name]
+                    where = f"{Path(mod.parsed.file).name}, {mod.parsed.where(line)}"
+                    op = _Op(key, f"{_dotted(call.func)}()", f"runs `{inner}` ({where}), a collective")
             self._collectives[id(call)] = op
         return self._collectives[id(call)]
 
@@ -680,14 +779,152 @@ class _Module:
                     found[name], changed = found[hit], True
         return found
 
-    def returns_vary(self, name: str, args_vary: bool) -> bool:
-        """Whether the function ``name`` of this file can return a different value on each rank."""
-        key = (name, args_vary)
+    def returns_vary(self, fn: ast.FunctionDef | ast.AsyncFunctionDef, params: frozenset[str] | bool) -> bool:
+        """Whether ``fn`` (of this file) can return a different value on each rank, when the parameters
+        ``params`` (all of them: True) hold rank-varying values or a rank's own data."""
+        key = (id(fn), params)
         if key not in self._returns:
             self._returns[key] = False  # recursion: assume synchronised while computing
-            self._returns[key] = any(_Flow(self, fn, params_vary=args_vary, emit=False).returns_vary
-                                     for fn in self.functions[name])
+            self._returns[key] = _Flow(self, fn, params_vary=params, emit=False).returns_vary
         return self._returns[key]
+
+    # following calls ------------------------------------------------------------------------------
+
+    def _instances_and_loaders(self) -> tuple[dict[str, ast.expr], set[str]]:
+        """``x = SomeClass(...)``: x -> the class expression; names that hold a dataloader (assigned
+        from ``accelerator.prepare(loader)``, ``DataLoader(...)``, ``tqdm(loader)``...)."""
+        instances: dict[str, ast.expr] = {}
+        loaders: set[str] = set()
+        assigns = [n for n in self.of(ast.Assign) if isinstance(n.value, ast.Call)]
+        for node in assigns:
+            head = (_dotted(node.value.func) or "").split(".")[0]
+            if head in self.classes or head in self.aliases:
+                for target in filter(None, map(_dotted, node.targets)):
+                    instances[target] = node.value.func
+        for _ in range(2):  # loader = accelerator.prepare(train_loader); progress = tqdm(loader)
+            for node in assigns:
+                call = node.value
+                last = (_dotted(call.func) or "").rsplit(".", 1)[-1]
+                if last not in LOADER_WRAPPERS:
+                    continue
+                for target in node.targets:
+                    pairs = zip(target.elts, call.args, strict=False) if isinstance(target, ast.Tuple) \
+                        else [(target, call.args[0] if call.args else call)]
+                    for name, value in pairs:
+                        if (last == "DataLoader" or self.loader_like(value, loaders)) and _dotted(name):
+                            loaders.add(_dotted(name))
+        return instances, loaders
+
+    def loader_like(self, node: ast.AST, names: set[str] | None = None) -> bool:
+        """Whether ``node`` names a dataloader (each rank reads its own shard of a prepared one)."""
+        node = node.value if isinstance(node, ast.Starred) else node
+        if not isinstance(node, (ast.Name, ast.Attribute)):
+            return False
+        if _dotted(node) in (self.loader_names if names is None else names):
+            return True
+        words = _words(node.id if isinstance(node, ast.Name) else node.attr)
+        return bool(words & LOADER_WORDS) or any(w.endswith("loader") for w in words)
+
+    def target(self, call: ast.Call) -> tuple[_Module, list[ast.FunctionDef | ast.AsyncFunctionDef]] | None:
+        """The function (in a module found on disk, or a method of a class the lint can read) that
+        ``call`` runs, when ``callee`` does not name one of this file; None when it cannot be read."""
+        if id(call) not in self._targets:
+            self._targets[id(call)] = None  # recursion
+            self._targets[id(call)] = self._target(call)
+        return self._targets[id(call)]
+
+    def _target(self, call: ast.Call) -> tuple[_Module, list] | None:
+        func = call.func
+        dotted = _dotted(func)
+        if dotted is None:
+            return None
+        head = dotted.split(".")[0]
+        if head in self.aliases and head not in self.functions:
+            return self.imported_function(self.canonical(func) or "")
+        if not isinstance(func, ast.Attribute):
+            return None
+        receiver = _dotted(func.value)
+        if receiver in ("self", "cls"):
+            scope = self.scope_of.get(id(call))
+            is_def = isinstance(scope, (ast.FunctionDef, ast.AsyncFunctionDef))
+            owner = self.scope_of.get(id(scope)) if is_def else None
+            return self.class_method(owner, func.attr) if isinstance(owner, ast.ClassDef) else None
+        if receiver in self.instances:
+            found = self.find_class(self.instances[receiver])
+            return found[0].class_method(found[1], func.attr) if found else None
+        return None
+
+    def resolve(self, canon: str) -> tuple[_Module, str] | None:
+        """An imported dotted name -> (the module found on disk, the name inside it)."""
+        if self.project is None or self.path is None or not canon:
+            return None
+        level = len(canon) - len(canon.lstrip("."))
+        parts = canon.lstrip(".").split(".")
+        if level:  # from .evalmod import evaluate: next to this file (its package)
+            folder = self.path.parent
+            for _ in range(level - 1):
+                folder = folder.parent
+            folders, shortest = [folder], 0
+        else:
+            folders, shortest = list(dict.fromkeys([self.path.parent, *self.project.roots])), 1
+        for cut in range(len(parts) - 1, shortest - 1, -1):  # the longest module name first
+            found = self.project.find(folders, ".".join(parts[:cut])) if cut else \
+                next((f / "__init__.py" for f in folders if (f / "__init__.py").is_file()), None)
+            if found is not None:
+                module = self.project.module(found, self.depth + 1)
+                return (module, ".".join(parts[cut:])) if module is not None else None
+        return None
+
+    def imported_function(self, canon: str) -> tuple[_Module, list] | None:
+        hit = self.resolve(canon)
+        if hit is None:
+            return None
+        module, name = hit
+        if "." in name:  # module.SomeClass.method
+            cls_name, _, method = name.partition(".")
+            found = module.find_class(ast.Name(cls_name))
+            return found[0].class_method(found[1], method) if found and "." not in method else None
+        defs = [fn for fn in module.functions.get(name, []) if module.scope_of[id(fn)] is module.tree]
+        if defs:
+            return module, defs
+        if name in module.aliases and name not in module.classes:  # re-exported: from .m import evaluate
+            return module.imported_function(module.aliases[name])
+        return None
+
+    def find_class(self, node: ast.AST) -> tuple[_Module, ast.ClassDef] | None:
+        """The class that ``node`` (a name or dotted name) refers to, in this file or one found on disk."""
+        dotted = _dotted(node)
+        if dotted is None:
+            return None
+        if dotted in self.classes and dotted not in self.aliases:
+            return self, self.classes[dotted][-1]
+        if dotted.split(".")[0] not in self.aliases:
+            return None
+        hit = self.resolve(self.canonical(node) or "")
+        if hit is None:
+            return None
+        module, name = hit
+        if name in module.classes:
+            return module, module.classes[name][-1]
+        if name in module.aliases:
+            return module.find_class(ast.Name(name))
+        return None
+
+    def class_method(self, cls: ast.ClassDef, name: str, hops: int = 0) -> tuple[_Module, list] | None:
+        """The method ``name`` of ``cls`` or of a base class the lint can read."""
+        defs = [n for n in cls.body
+                if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef)) and n.name == name]
+        if defs:
+            return self, defs
+        if hops >= MAX_FOLLOW_DEPTH:
+            return None
+        for base in cls.bases:
+            found = self.find_class(base)
+            if found and found[1] is not cls:
+                hit = found[0].class_method(found[1], name, hops + 1)
+                if hit:
+                    return hit
+        return None
 
     # the checks -----------------------------------------------------------------------------------
 
@@ -937,9 +1174,12 @@ def _import_aliases(imports: Iterable[ast.AST]) -> dict[str, str]:
                 else:
                     head = alias.name.split(".")[0]
                     aliases[head] = head
-        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+        elif isinstance(node, ast.ImportFrom) and (node.module or node.level):
+            # relative imports keep their dots: `from .evalmod import evaluate` -> `.evalmod.evaluate`
+            module = "." * node.level + (node.module or "")
             for alias in node.names:
-                aliases[alias.asname or alias.name] = f"{node.module}.{alias.name}"
+                joined = f"{module}.{alias.name}" if node.module else f"{module}{alias.name}"
+                aliases[alias.asname or alias.name] = joined
     return aliases
 
 
@@ -955,19 +1195,28 @@ class _Flow:
     loop that runs collectives, taken on such a value, are DIVERGENT_BREAK findings.
     """
 
-    def __init__(self, mod: _Module, scope: ast.AST, params_vary: bool = False, emit: bool = True):
-        # emit=False: only work out whether the scope's return value varies (no findings)
+    def __init__(self, mod: _Module, scope: ast.AST, params_vary: bool | frozenset[str] = False,
+                 emit: bool = True):
+        # emit=False: only work out whether the scope's return value varies (no findings);
+        # params_vary: the parameters given rank-varying values (True: all of them)
         self.mod, self.emit = mod, emit
         self.loops: list[_Loop] = []
         self.guards: list[_Guard] = []
         self.raws: list[_Raw] = []
         self.returns_vary = False
+        self.sources: dict[str, _Source] = {}  # varying name -> the call its value came from
+        self.call_sources: dict[int, _Source] = {}
         self.function = scope if isinstance(scope, (ast.FunctionDef, ast.AsyncFunctionDef)) else None
         state: set[str] = set()
+        self.params: set[str] = set()
         if self.function is not None:  # parameters named like a batch or a loss differ between ranks
             args = self.function.args
-            state = {a.arg for a in [*args.posonlyargs, *args.args, *args.kwonlyargs]
-                     if a.arg not in ("self", "cls") and (params_vary or _words(a.arg) & ITEM_WORDS)}
+            self.params = {a.arg for a in [*args.posonlyargs, *args.args, *args.kwonlyargs, args.vararg,
+                                           args.kwarg] if a is not None}
+            given = params_vary if isinstance(params_vary, frozenset) else frozenset()
+            state = {a.arg for a in [*args.posonlyargs, *args.args, *args.kwonlyargs, args.vararg, args.kwarg]
+                     if a is not None and a.arg not in ("self", "cls")
+                     and (params_vary is True or a.arg in given or _words(a.arg) & ITEM_WORDS)}
         self.block(scope.body, state)
 
     # expressions ----------------------------------------------------------------------------------
@@ -1028,9 +1277,93 @@ class _Flow:
             return _text(call)
         args = self.first_why([*call.args, *call.keywords], state)
         name = self.mod.callee(call)
-        if name is not None:
-            return (args or f"{name}()") if self.mod.returns_vary(name, bool(args)) else None
-        return self.why(call.func, state) or args
+        if name is not None and isinstance(call.func, ast.Name):
+            if name in self.params:  # a parameter of the same name hides the function
+                name = None
+            else:
+                defs = [fn for fn in self.mod.functions[name]
+                        if not isinstance(self.mod.scope_of[id(fn)], ast.ClassDef)]
+        elif name is not None:
+            defs = self.mod.functions[name]
+        hit = (self.mod, defs) if name is not None else self.mod.target(call)
+        if hit is not None:  # a function the lint can read: follow it
+            mod, fns = hit
+            varying = next((fn for fn in fns if mod.returns_vary(fn, self.bind(fn, call, state))), None)
+            if varying is None:
+                return None
+            callee = name or _dotted(call.func) or varying.name
+            where = mod.parsed.where(varying.lineno)
+            self.call_sources[id(call)] = _Source(
+                _text(call), call.lineno, callee,
+                where=where if mod is self.mod else f"{Path(mod.parsed.file).name}, {where}")
+            return args or f"{callee}()"
+        found = self.why(call.func, state) or args
+        if found:
+            return found
+        data = self.opaque_data(call)
+        if data is None:
+            return None
+        callee = _dotted(call.func) or _text(call.func)
+        self.call_sources[id(call)] = _Source(_text(call), call.lineno, callee, data=_text(data))
+        return _text(call)
+
+    def opaque_data(self, call: ast.Call) -> ast.expr | None:
+        """The dataloader given to a call the lint cannot read (whose result is then this rank's own)."""
+        func = call.func
+        if isinstance(func, ast.Name) and hasattr(builtins, func.id) and func.id not in CONSUMING_BUILTINS \
+                and func.id not in self.mod.functions and func.id not in self.mod.aliases:
+            return None  # len(loader): every rank has as many batches
+        if isinstance(func, ast.Attribute) and self.mod.is_accelerator(func.value):
+            return None  # accelerate's own methods are known (the collectives, prepare...)
+        if (_dotted(func) or "").rsplit(".", 1)[-1] in LOADER_WRAPPERS:
+            return None  # tqdm(loader), accelerator.prepare(loader): a loader again, not a value
+        inputs = [*call.args, *(k.value for k in call.keywords)]
+        return next((arg for arg in inputs if self.mod.loader_like(arg)), None)
+
+    def bind(self, fn: ast.FunctionDef | ast.AsyncFunctionDef, call: ast.Call,
+             state: set[str]) -> frozenset[str] | bool:
+        """The parameters of ``fn`` that ``call`` gives a rank-varying value or a dataloader (True: all)."""
+        args = fn.args
+        positional = [a.arg for a in [*args.posonlyargs, *args.args] if a.arg not in ("self", "cls")]
+        named = {a.arg for a in [*args.posonlyargs, *args.args, *args.kwonlyargs]}
+        names: set[str] = set()
+
+        def local(node: ast.expr) -> bool:
+            return self.mod.loader_like(node) or self.why(node, state) is not None
+
+        for index, arg in enumerate(call.args):
+            if isinstance(arg, ast.Starred):
+                if local(arg.value):
+                    return True
+            elif local(arg):
+                if index < len(positional):
+                    names.add(positional[index])
+                elif args.vararg:
+                    names.add(args.vararg.arg)
+        for keyword in call.keywords:
+            if local(keyword.value):
+                if keyword.arg is None:
+                    return True
+                if keyword.arg in named:
+                    names.add(keyword.arg)
+                elif args.kwarg:
+                    names.add(args.kwarg.arg)
+        return frozenset(names)
+
+    def source_of(self, node: ast.AST | None, state: set[str]) -> _Source | None:
+        """The call a rank-varying value in ``node`` came from, when it is known."""
+        if node is None:
+            return None
+        for inner in _shallow([node]):
+            if isinstance(inner, ast.Call) and id(inner) in self.call_sources:
+                return self.call_sources[id(inner)]
+            key = _dotted(inner) if isinstance(inner, (ast.Name, ast.Attribute)) else None
+            if key in state and key in self.sources:
+                return self.sources[key]
+        return None
+
+    def control_source(self) -> _Source | None:
+        return next((g.source for g in reversed(self.guards) if g.why and g.source), None)
 
     def synced(self, call: ast.Call) -> bool:
         """Whether ``call`` returns the same value on every rank (a gather, reduce, check_trigger...)."""
@@ -1083,27 +1416,40 @@ class _Flow:
         varies = self.varies(node.value, state)
         if isinstance(node, ast.AugAssign):
             varies = varies or self.why(node.target, state) is not None
+        source = None
+        if varies:
+            source = self.source_of(node.value, state) or self.control_source()
+            if isinstance(node, ast.AugAssign):
+                source = source or self.source_of(node.target, state)
         for target in node.targets if isinstance(node, ast.Assign) else [node.target]:
-            self.assign(target, varies, state)
+            self.assign(target, varies, state, source)
 
-    def assign(self, target: ast.AST, varies: bool, state: set[str]) -> None:
+    def assign(self, target: ast.AST, varies: bool, state: set[str], source: _Source | None = None) -> None:
         if isinstance(target, (ast.Tuple, ast.List)):
             for element in target.elts:
-                self.assign(element, varies, state)
+                self.assign(element, varies, state, source)
         elif isinstance(target, ast.Starred):
-            self.assign(target.value, varies, state)
+            self.assign(target.value, varies, state, source)
         elif isinstance(target, ast.Subscript):
             base = _dotted(target.value)
             if base and varies:
                 state.add(base)
+                self.remember(base, source)
         else:
             key = _dotted(target)
             if key is None:
                 return
             if varies:
                 state.add(key)
+                self.remember(key, source)
             else:
                 state.difference_update({k for k in state if k == key or k.startswith(key + ".")})
+
+    def remember(self, key: str, source: _Source | None) -> None:
+        if source is not None:
+            self.sources[key] = source
+        else:
+            self.sources.pop(key, None)
 
     def effects(self, node: ast.expr, state: set[str]) -> None:
         """A call as a statement: in-place synchronisers, and objects fed with rank-varying values."""
@@ -1125,10 +1471,13 @@ class _Flow:
             return
         if self.control() or self.first_why([*node.args, *node.keywords], state):
             state.add(base)  # early_stopping(val_loss) / stopper.update(val_loss)
+            self.remember(base, self.source_of(node, state) or self.control_source())
 
     def branches(self, node: ast.stmt, test: ast.expr, bodies: list[list[ast.stmt]],
                  state: set[str]) -> set[str]:
-        self.guards.append(_Guard(node, test, self.why(test, state), len(self.loops)))
+        why = self.why(test, state)
+        source = self.source_of(test, state) if why else None
+        self.guards.append(_Guard(node, test, why, len(self.loops), source=source))
         merged: set[str] = set()
         for body in bodies:
             merged |= self.block(body, set(state))
@@ -1153,7 +1502,8 @@ class _Flow:
             body_state = set(entry)
             if isinstance(node, ast.While):
                 why = self.why(node.test, entry)
-                self.guards.append(_Guard(node, node.test, why, len(self.loops), for_exits=False))
+                self.guards.append(_Guard(node, node.test, why, len(self.loops), for_exits=False,
+                                          source=self.source_of(node.test, entry) if why else None))
             else:
                 self.iteration(node.target, node.iter, body_state)
             out = self.block(node.body, body_state)
@@ -1181,7 +1531,8 @@ class _Flow:
                     self.iteration(element, arg, state)
                 return
         uniform = canon == "range" or isinstance(iterable, (ast.List, ast.Tuple, ast.Set))
-        varies = self.varies(iterable, state) or (not uniform and _data_like(iterable))
+        varies = self.varies(iterable, state) or (not uniform and (_data_like(iterable)
+                                                                    or self.mod.loader_like(iterable)))
         self.assign(target, varies, state)
 
     def while_exit(self, node: ast.While, loop: _Loop, state: set[str]) -> None:
@@ -1191,8 +1542,12 @@ class _Flow:
             self.raws.append(_Raw(
                 "DIVERGENT_BREAK", node,
                 f"`while {_text(node.test)}` ends a loop that runs collectives (`{op.text}`, "
-                f"{self.mod.parsed.where(call.lineno)}) on `{why}`, which {UNSYNCED}: ranks that stay in the "
+                f"{self.mod.parsed.where(call.lineno)}) on `{why}`, which {UNSYNCED}"
+                f"{self.origin(self.source_of(node.test, state))}: ranks that stay in the "
                 f"loop wait forever in `{op.text}`."))
+
+    def origin(self, source: _Source | None) -> str:
+        return source.clause(self.mod.parsed.where(source.line)) if source else ""
 
     def exit(self, node: ast.Break | ast.Continue | ast.Return, state: set[str]) -> None:
         if isinstance(node, ast.Return) and (self.control() or (node.value and self.why(node.value, state))):
@@ -1232,7 +1587,8 @@ class _Flow:
             "DIVERGENT_BREAK", node,
             f"`{word}` under `if {_text(guard.test)}` ({self.mod.parsed.where(guard.test.lineno)}) leaves a "
             f"loop that runs collectives (`{op.text}`, {self.mod.parsed.where(call.lineno)}), and "
-            f"`{guard.why}` {UNSYNCED}: ranks that stay in the loop wait forever in `{op.text}`."))
+            f"`{guard.why}` {UNSYNCED}{self.origin(guard.source)}: ranks that stay in the loop wait forever "
+            f"in `{op.text}`."))
 
     def skip_rest(self, node: ast.stmt, word: str, ops: list[tuple[_Op, ast.Call]], depth: int) -> None:
         guard = self._guard(depth)
@@ -1247,7 +1603,8 @@ class _Flow:
             "DIVERGENT_BREAK", node,
             f"`{word}` under `if {_text(guard.test)}` ({self.mod.parsed.where(guard.test.lineno)}) skips "
             f"`{op.text}` ({self.mod.parsed.where(call.lineno)}) on some ranks, and `{guard.why}` "
-            f"{UNSYNCED}: the ranks that do not skip it wait forever in `{op.text}`."))
+            f"{UNSYNCED}{self.origin(guard.source)}: the ranks that do not skip it wait forever in "
+            f"`{op.text}`."))
 
 
 # --- accelerate's real names, read from its source without importing it --------------------------
