@@ -488,7 +488,7 @@ def port_holder(port: int) -> str | None:
 
 # a kernel release with a distribution's suffix (5.4.0-150-generic, 4.18.0-513.el8.x86_64,
 # 5.15.133.1-microsoft-standard-WSL2) is Linux's; a bare 23.1.0 could be Darwin's
-LINUX_RELEASE = re.compile(r"\d+\.\d+(?:\.\d+)*[-+_.~][A-Za-z0-9]")
+LINUX_RELEASE = re.compile(r"\d+(?:\.\d+)+(?=[-+_~]|\.[A-Za-z])")
 LINUX_DISTROS = ("Ubuntu", "Debian", "CentOS", "Red Hat", "Rocky", "AlmaLinux", "Fedora",
                  "Amazon Linux", "SUSE", "openSUSE", "Arch Linux", "Oracle Linux", "Alpine")
 MAPPINGS = ("os", "torch", "driver", "python", "network", "packages", "env")

@@ -246,11 +246,14 @@ def _config_lines(lines: list[str], header: int) -> dict[str, Any] | None:
 
 
 def _literal(text: str) -> Any:
-    """A config value as accelerate printed it (Python reprs); plain text when it is not one."""
+    """A config value as accelerate printed it (``str()`` of the value: True, 8, {'a': 1}, [], or
+    text without quotes); plain text when it is not a literal. ``0,1,2,3`` stays text: str() of
+    a tuple would have printed parentheses."""
     try:
-        return ast.literal_eval(text)
+        value = ast.literal_eval(text)
     except (ValueError, SyntaxError, MemoryError, RecursionError):
         return text
+    return text if isinstance(value, tuple) and not text.startswith("(") else value
 
 
 # ---------------------------------------------------------------------------------------------
