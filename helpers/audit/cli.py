@@ -13,7 +13,7 @@ import os
 import sys
 
 from helpers import params, report
-from helpers.audit import render
+from helpers.audit import mpi, render
 from helpers.audit.diff import diff_reports, load_machine
 from helpers.audit.facts import collect_facts
 from helpers.audit.fleet import run_fleet
@@ -35,6 +35,12 @@ def _audit_parser(prog: str) -> argparse.ArgumentParser:
                         help="write audit.json and audit.html into this folder")
     parser.add_argument("--strict", action="store_true", help=params.SPECS["strict"].help)
     parser.add_argument("--anonymize", action="store_true", help=params.SPECS["anonymize"].help)
+    parser.add_argument("--hostfile", metavar="PATH", type=path_arg,
+                        help="an MPI hostfile to check (default: the accelerate config's "
+                        "mpirun_hostfile): readable, passwordless SSH to each host")
+    parser.add_argument("--mpi-sanity", action="store_true",
+                        help="also run `mpirun ... -n <hosts> -ppn 1 hostname` over the hostfile "
+                        f"(deadline {mpi.SANITY_TIMEOUT_S:g} s); exit 1 when it fails")
     return parser
 
 
@@ -43,6 +49,8 @@ def cli_audit(argv: list[str]) -> int:
     args = parse(_audit_parser("python -m helpers audit"), argv)
     if isinstance(args, int):
         return args
+    if args.facts and (args.mpi_sanity or args.hostfile):
+        return usage_error("--mpi-sanity/--hostfile: they check this machine; drop --facts")
     if args.facts:
         try:
             machine = load_machine(args.facts)
@@ -50,7 +58,13 @@ def cli_audit(argv: list[str]) -> int:
             return usage_error(f"--facts: {exc}")
         facts = anonymize_facts(machine.facts) if args.anonymize else machine.facts
     else:
-        facts = collect_facts(anonymize=args.anonymize)
+        facts = collect_facts(anonymize=args.anonymize, hostfile=args.hostfile)
+    sanity = None
+    if args.mpi_sanity:
+        if not isinstance(facts.get("mpi"), dict):
+            return usage_error("--mpi-sanity: no MPI here to check (no mpirun on PATH, no "
+                               "--hostfile, no MULTI_CPU accelerate config)")
+        sanity = facts["mpi"]["sanity"] = mpi.run_sanity(facts["mpi"])
     result = judge(facts)
     print(result.summary())
     for line in sources_summary(facts):
@@ -59,6 +73,11 @@ def cli_audit(argv: list[str]) -> int:
     for path in (files.json_path, files.html_path):
         if path:
             print(f"wrote {path}")
+    if sanity is not None:
+        print(f"MPI sanity run: {'passed' if sanity['ok'] else 'FAILED: ' + str(sanity['error'])}"
+              + (f"\n{sanity['output'].rstrip()}" if sanity["output"].strip() else ""))
+        if not sanity["ok"]:
+            return EXIT_PROBLEM
     return EXIT_PROBLEM if args.strict and result.errors() else EXIT_OK
 
 

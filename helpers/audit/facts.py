@@ -28,7 +28,7 @@ from pathlib import Path
 from typing import Any
 
 from helpers import cuda_watch, redact
-from helpers.audit import gpu, render
+from helpers.audit import gpu, mpi, render
 
 SCHEMA = 1
 DEFAULT_RENDEZVOUS_PORT = 29500  # torchrun's and accelerate launch's default MASTER_PORT
@@ -104,11 +104,13 @@ def utc_now() -> str:
 
 
 def collect_facts(anonymize: bool = False, nvml: Any = None,
-                  probe_timeout_s: float = PROBE_TIMEOUT_S) -> Facts:
+                  probe_timeout_s: float = PROBE_TIMEOUT_S, hostfile: str | None = None) -> Facts:
     """Collect this machine's facts (see the module docstring); never initialises CUDA here.
 
     ``nvml`` replaces the pynvml module (tests pass a fake). ``anonymize`` replaces host names,
-    user names and home folders. Secrets are always redacted.
+    user names and home folders. Secrets are always redacted. ``hostfile`` (an MPI hostfile)
+    makes the MPI facts relevant (``helpers.audit.mpi``; also relevant when mpirun is on PATH or
+    the accelerate config asks for MULTI_CPU).
     """
     probe = _start_torch_probe()
     smi = gpu.start_nvidia_smi_topo()
@@ -126,6 +128,7 @@ def collect_facts(anonymize: bool = False, nvml: Any = None,
         "env": redact.redact_env(relevant_env()),
     }
     facts.update(accelerate_config_facts())
+    facts["mpi"] = mpi.mpi_facts(facts["accelerate_config"], hostfile)
     facts.update(gpu.gpu_facts(nvml))
     facts["topology"] = gpu.finish_topology(facts, smi)
     facts["network"] = network_facts(resolver)

@@ -19,6 +19,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+from helpers.audit.mpi import hostfile_from_config
+
 SEVERITIES = ("error", "warning", "info")
 MIB = 1024 * 1024
 SHM_MIN_BYTES = 512 * MIB
@@ -784,6 +786,69 @@ def rule_hostname(facts: dict[str, Any], found: Found) -> list[Finding]:
         "Multi-node rendezvous advertises host names: add the name to /etc/hosts or DNS, or pass "
         "IP addresses (MASTER_ADDR, --rdzv-endpoint).",
         "torch elastic rendezvous docs (c10d endpoint host names)")]
+
+
+SRC_MPI = ("accelerate troubleshooting guide, 'MPI' (passwordless SSH; the mpirun hostname sanity "
+           "check); accelerate utils/launch.py _get_mpirun_args")
+
+
+@rule("MPI_NOT_READY")
+def rule_mpi(facts: dict[str, Any], found: Found) -> list[Finding]:
+    """mpirun missing, the hostfile unreadable, hosts without passwordless SSH, a failed sanity run."""
+    config = get(facts, "accelerate_config")
+    wants = isinstance(config, dict) and (str(config.get("distributed_type")) == "MULTI_CPU" or
+                                          bool(hostfile_from_config(config)))
+    if not known(facts, "mpi"):
+        return [found.unknown("whether MPI (mpirun, the hostfile, SSH) is ready", "mpi")] \
+            if wants else []
+    mpi = get(facts, "mpi")
+    if not isinstance(mpi, dict):
+        return []
+    findings = []
+    if not mpi.get("mpirun") and (wants or mpi.get("hostfile")):
+        findings.append(found(
+            "error", "mpirun (or mpiexec) is not on PATH",
+            f"MPI is relevant here because {mpi.get('relevant')}; neither mpirun nor mpiexec found",
+            "Install an MPI (Open MPI: apt-get install openmpi-bin; or Intel MPI / MPICH) on every "
+            "host and put its bin folder on PATH; accelerate launch raises 'mpirun or mpiexec were "
+            "not found' otherwise.", SRC_MPI))
+    hostfile = mpi.get("hostfile") or {}
+    if hostfile and hostfile.get("error"):
+        findings.append(found(
+            "error", f"The MPI hostfile {hostfile.get('path')} cannot be used",
+            f"{hostfile.get('path')} ({hostfile.get('source')}): {hostfile.get('error')}",
+            "Write one host per line (Open MPI: 'host slots=N'; Intel MPI / MPICH: 'host:N') and "
+            "point mpirun_hostfile at it (accelerate config, or --mpirun_hostfile).", SRC_MPI))
+    ssh = mpi.get("ssh") or {}
+    failing = {host: r for host, r in ssh.items() if isinstance(r, dict) and not r.get("ok")}
+    if failing:
+        remote = [h for h, r in failing.items() if not r.get("local")]
+        findings.append(found(
+            "error" if remote else "warning",
+            f"No passwordless SSH to {len(failing)} of {len(ssh)} host(s): "
+            + ", ".join(failing),
+            "; ".join(f"ssh -o BatchMode=yes {host} true: {r.get('error')}"
+                      for host, r in failing.items()),
+            "mpirun starts ranks on the other hosts over SSH and hangs or fails without it: "
+            "ssh-keygen, then ssh-copy-id to every host of the hostfile (from every host that "
+            "launches), and check with `ssh -o BatchMode=yes HOST true`."
+            + (" (This machine's own address needs it only when another host launches.)"
+               if not remote else ""), SRC_MPI))
+    sanity = mpi.get("sanity") or {}
+    if sanity.get("ran") is not None and not sanity.get("ok"):
+        findings.append(found(
+            "error", "The MPI sanity run failed",
+            f"{' '.join(sanity.get('command') or [])}: {sanity.get('error')}",
+            "Fix SSH and the hostfile first; the run must print one host name per host.", SRC_MPI))
+    command = mpi.get("sanity_command")
+    if not findings and command:
+        ran = sanity.get("ok")
+        findings.append(found(
+            "info", "MPI sanity run " + ("passed" if ran else "is ready to try"),
+            f"{mpi.get('version') or 'mpirun'}; {len(ssh)} host(s) reachable by passwordless SSH",
+            ("Nothing to fix." if ran else f"Run it: `{' '.join(command)}` (or `python -m helpers "
+             "audit --mpi-sanity`); it must print one host name per host."), SRC_MPI))
+    return findings
 
 
 # Every rule above, in the order declared: derived from the registry, so no list can miss one.
