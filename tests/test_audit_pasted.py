@@ -168,6 +168,10 @@ def test_cli_combines_files_of_one_machine_and_says_where_each_fact_came_from(tm
     assert facts["provenance"]["gpus"] == f"{a} line 18"
     assert facts["provenance"]["accelerate_config"] == f"{b} line 13"
     assert [s["kind"] for s in facts["sources"]] == ["torch collect_env", "accelerate env"]
+    assert "CUDA_VISIBLE_DEVICES unknown" in result.stdout
+    html = helpers_cli("audit", "--facts", str(a), "--html", str(tmp_path / "r.html"))
+    assert html.returncode == 0 and f"<code>{a}</code> (torch collect_env)" in \
+        (tmp_path / "r.html").read_text()
 
 
 def test_old_facts_without_index_are_judged_right(tmp_path):

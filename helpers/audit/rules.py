@@ -531,7 +531,11 @@ def rule_accelerate_config(facts: dict[str, Any], found: Found) -> list[Finding]
         return [found.unknown("whether the accelerate config fits the GPUs", "gpus")]
     if not isinstance(config, dict) or not _gpus(facts) or config.get("use_cpu"):
         return []
-    return [found(severity, title, f"{path}: {evidence}", fix,
+    if not known(facts, "env"):
+        evidence_note = " (CUDA_VISIBLE_DEVICES unknown: every listed GPU counted as visible)"
+    else:
+        evidence_note = ""
+    return [found(severity, title, f"{path}: {evidence}{evidence_note}", fix,
                     "accelerate commands/config/config_args.py; torch.cuda.is_bf16_supported "
                     "(compute capability 8.0+)")
             for severity, title, evidence, fix in _config_problems(config, visible_gpus(facts))]
