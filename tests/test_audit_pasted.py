@@ -260,3 +260,36 @@ def test_diff_cli_with_comma_groups_and_live():
     assert live.returncode == 1 and "this machine" in live.stdout
     alone = helpers_cli("diff", group)
     assert alone.returncode == 2 and "at least two machines" in alone.stderr
+
+
+@pytest.mark.parametrize(("platform_line", "expected"), [
+    ("Linux-5.15.0-105-generic-x86_64-with-glibc2.35",
+     {"os.system": "Linux", "os.kernel": "5.15.0-105-generic", "os.machine": "x86_64"}),
+    ("Linux-5.15.133.1-microsoft-standard-WSL2-x86_64-with-glibc2.35",
+     {"os.system": "Linux", "os.kernel": "5.15.133.1-microsoft-standard-WSL2", "os.machine": "x86_64"}),
+    ("Linux-5.4.143.bsk.7-amd64-x86_64-with-debian-10.13",
+     {"os.system": "Linux", "os.kernel": "5.4.143.bsk.7-amd64", "os.machine": "x86_64"}),
+    ("Linux-6.8.0-1008-aws-aarch64-with-glibc2.39",
+     {"os.system": "Linux", "os.kernel": "6.8.0-1008-aws", "os.machine": "aarch64"}),
+    ("macOS-14.1.1-arm64-arm-64bit", {"os.system": "Darwin"}),
+    ("Windows-10-10.0.19045-SP0", {"os.system": "Windows"}),
+    ("Could not collect", {}),
+])
+def test_platform_lines_of_every_os(platform_line, expected):
+    assert pasted._platform(platform_line) == expected
+
+
+def test_rocm_and_single_line_gpu_wordings():
+    base = (PASTED / "collect_env_2x4090_torch24.md").read_text()
+    rocm = base.replace("GPU models and configuration: \nGPU 0: NVIDIA GeForce RTX 4090\n"
+                        "GPU 1: NVIDIA GeForce RTX 4090\n",
+                        "GPU models and configuration: AMD Instinct MI250X / MI250 (gfx90a)\n")
+    assert rocm != base and "gpus" not in pasted.parse(rocm)[0]  # one name, no count: unknown, not one GPU
+    single = base.replace("GPU models and configuration: \nGPU 0:", "GPU models and configuration: GPU 0:")
+    single = single.replace("GPU 1: NVIDIA GeForce RTX 4090\n", "")
+    assert pasted.parse(single)[0]["gpus"] == [{"index": 0, "name": "NVIDIA GeForce RTX 4090"}]
+
+
+def test_string_indices_are_numbers():
+    facts, notes = normalise({"gpus": [{"index": "1", "name": "b"}, {"index": "0", "name": "a"}]})
+    assert [g["index"] for g in facts["gpus"]] == [1, 0] and len(notes) == 2

@@ -536,7 +536,10 @@ def _normalise_gpus(gpus: Any, notes: list[str]) -> list[Any]:
         if not isinstance(entry, dict):
             raise ValueError(f"key 'gpus[{position}]' must be an object; found {type(entry).__name__}")
         index = entry.get("index")
-        if index is not None and (not isinstance(index, int) or isinstance(index, bool)):
+        if isinstance(index, str) and index.strip().isdigit():
+            notes.append(f"gpus[{position}].index: the text {index!r} read as the number {int(index)}")
+            gpus = [*gpus[:position], {**entry, "index": int(index)}, *gpus[position + 1:]]
+        elif index is not None and (not isinstance(index, int) or isinstance(index, bool)):
             raise ValueError(f"key 'gpus[{position}].index' must be an integer; found {index!r}")
     missing = [p for p, entry in enumerate(gpus) if entry.get("index") is None]
     if not missing:
