@@ -28,7 +28,7 @@ from pathlib import Path
 from typing import Any
 
 from helpers import cuda_watch, redact
-from helpers.audit import gpu, render
+from helpers.audit import gpu, mpi, render
 
 SCHEMA = 1
 DEFAULT_RENDEZVOUS_PORT = 29500  # torchrun's and accelerate launch's default MASTER_PORT
@@ -104,11 +104,13 @@ def utc_now() -> str:
 
 
 def collect_facts(anonymize: bool = False, nvml: Any = None,
-                  probe_timeout_s: float = PROBE_TIMEOUT_S) -> Facts:
+                  probe_timeout_s: float = PROBE_TIMEOUT_S, hostfile: str | None = None) -> Facts:
     """Collect this machine's facts (see the module docstring); never initialises CUDA here.
 
     ``nvml`` replaces the pynvml module (tests pass a fake). ``anonymize`` replaces host names,
-    user names and home folders. Secrets are always redacted.
+    user names and home folders. Secrets are always redacted. ``hostfile`` (an MPI hostfile)
+    makes the MPI facts relevant (``helpers.audit.mpi``; also relevant when mpirun is on PATH or
+    the accelerate config asks for MULTI_CPU).
     """
     probe = _start_torch_probe()
     smi = gpu.start_nvidia_smi_topo()
@@ -126,6 +128,7 @@ def collect_facts(anonymize: bool = False, nvml: Any = None,
         "env": redact.redact_env(relevant_env()),
     }
     facts.update(accelerate_config_facts())
+    facts["mpi"] = mpi.mpi_facts(facts["accelerate_config"], hostfile)
     facts.update(gpu.gpu_facts(nvml))
     facts["topology"] = gpu.finish_topology(facts, smi)
     facts["network"] = network_facts(resolver)
@@ -481,3 +484,95 @@ def port_holder(port: int) -> str | None:
     except Exception:  # noqa: BLE001 - permissions, races: the holder is a nicety
         return None
     return None
+
+
+# ---------------------------------------------------------------------------------------------
+# facts written by hand or by an older version
+
+# a kernel release with a distribution's suffix (5.4.0-150-generic, 4.18.0-513.el8.x86_64,
+# 5.15.133.1-microsoft-standard-WSL2) is Linux's; a bare 23.1.0 could be Darwin's
+LINUX_RELEASE = re.compile(r"\d+(?:\.\d+)+(?=[-+_~]|\.[A-Za-z])")
+LINUX_DISTROS = ("Ubuntu", "Debian", "CentOS", "Red Hat", "Rocky", "AlmaLinux", "Fedora",
+                 "Amazon Linux", "SUSE", "openSUSE", "Arch Linux", "Oracle Linux", "Alpine")
+MAPPINGS = ("os", "torch", "driver", "python", "network", "packages", "env")
+
+
+def normalise(facts: dict[str, Any]) -> tuple[dict[str, Any], list[str]]:
+    """Facts as the rules read them, from facts written by hand or by an older version, and notes
+    saying what was inferred. Pure; idempotent; nothing is guessed.
+
+    Missing keys get their meaning only where it is unambiguous: a GPU list without ``index`` is in
+    index order (as NVML and ``nvidia-smi -L`` list them); a kernel release with a distribution
+    suffix, or a Linux distribution, means ``os.system`` Linux; numbers in ``env`` are the same text.
+    Everything else missing stays missing, and the rules call it unknown. Raises ValueError naming
+    the key when a value has the wrong type.
+    """
+    if not isinstance(facts, dict):
+        raise ValueError(f"the facts must be a JSON object; found {type(facts).__name__}")
+    facts = dict(facts)
+    notes: list[str] = []
+    for key in MAPPINGS:
+        if key in facts and facts[key] is not None and not isinstance(facts[key], dict):
+            raise ValueError(f"key {key!r} must be an object; found {type(facts[key]).__name__}")
+    config = facts.get("accelerate_config")
+    if config is not None and not isinstance(config, dict):
+        raise ValueError(f"key 'accelerate_config' must be an object or null; found "
+                         f"{type(config).__name__}")
+    if "gpus" in facts:
+        facts["gpus"] = _normalise_gpus(facts["gpus"], notes)
+    if isinstance(facts.get("env"), dict):
+        facts["env"] = _normalise_env(facts["env"], notes)
+    if isinstance(facts.get("os"), dict):
+        facts["os"] = _normalise_os(facts["os"], notes)
+    return facts, notes
+
+
+def _normalise_gpus(gpus: Any, notes: list[str]) -> list[Any]:
+    if gpus is None:
+        return []
+    if not isinstance(gpus, list):
+        raise ValueError(f"key 'gpus' must be a list of GPU objects; found {type(gpus).__name__}")
+    for position, entry in enumerate(gpus):
+        if not isinstance(entry, dict):
+            raise ValueError(f"key 'gpus[{position}]' must be an object; found {type(entry).__name__}")
+        index = entry.get("index")
+        if isinstance(index, str) and index.strip().isdigit():
+            notes.append(f"gpus[{position}].index: the text {index!r} read as the number {int(index)}")
+            gpus = [*gpus[:position], {**entry, "index": int(index)}, *gpus[position + 1:]]
+        elif index is not None and (not isinstance(index, int) or isinstance(index, bool)):
+            raise ValueError(f"key 'gpus[{position}].index' must be an integer; found {index!r}")
+    missing = [p for p, entry in enumerate(gpus) if entry.get("index") is None]
+    if not missing:
+        return gpus
+    if len(missing) < len(gpus):
+        raise ValueError(f"key 'gpus[{missing[0]}].index' is missing while other GPUs have one: "
+                         "their order is ambiguous")
+    notes.append(f"gpus: {len(gpus)} GPU(s) without 'index', taken in list order (0-{len(gpus) - 1})")
+    return [{**entry, "index": position} for position, entry in enumerate(gpus)]
+
+
+def _normalise_env(env: dict[str, Any], notes: list[str]) -> dict[str, Any]:
+    fixed = {}
+    for name, value in env.items():
+        if isinstance(value, bool) or not isinstance(value, (str, int, float)):
+            raise ValueError(f"key 'env.{name}' must be text; found {value!r}")
+        if not isinstance(value, str):
+            notes.append(f"env.{name}: the number {value!r} read as the text {str(value)!r}")
+            value = str(value)
+        fixed[name] = value
+    return fixed
+
+
+def _normalise_os(os_facts_: dict[str, Any], notes: list[str]) -> dict[str, Any]:
+    if os_facts_.get("system"):
+        return os_facts_
+    release, distro = os_facts_.get("kernel"), os_facts_.get("distro")
+    why = None
+    if isinstance(release, str) and LINUX_RELEASE.match(release):
+        why = f"kernel release {release!r} has a Linux distribution's suffix"
+    elif isinstance(distro, str) and distro.startswith(LINUX_DISTROS):
+        why = f"distribution {distro!r}"
+    if why is None:
+        return os_facts_
+    notes.append(f"os.system: Linux ({why})")
+    return {**os_facts_, "system": "Linux"}

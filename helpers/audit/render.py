@@ -150,7 +150,20 @@ def report_html(report_obj: Any, min_severity: str = "info") -> str:
     counts = report_obj.counts()
     head = (f"<p><b>{counts['error']} error(s), {counts['warning']} warning(s), "
             f"{counts['info']} info</b></p>")
-    return head + findings_html(report_obj.findings, min_severity) + facts_html(report_obj.facts)
+    return (head + findings_html(report_obj.findings, min_severity) + sources_html(report_obj.facts)
+            + facts_html(report_obj.facts))
+
+
+def sources_html(facts: dict[str, Any]) -> str:
+    """Which facts were read from which file (facts from files), and what was inferred."""
+    rows = []
+    for source in get(facts, "sources", []) or []:
+        read = source.get("facts")
+        rows.append(f"<li><code>{_e(source.get('file'))}</code> ({_e(source.get('kind'))}): "
+                    f"{_e(', '.join(read) if isinstance(read, list) else read)}</li>")
+    rows += [f"<li>note: {_e(note)}</li>" for note in get(facts, "notes", []) or []]
+    return f"<p>Facts read from files (any other fact is unknown):</p><ul>{''.join(rows)}</ul>" \
+        if rows else ""
 
 
 def report_document(report_obj: Any) -> str:

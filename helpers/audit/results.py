@@ -16,7 +16,7 @@ from typing import Any
 from helpers import report
 from helpers.audit import render
 from helpers.audit.diff import DiffResult
-from helpers.audit.rules import SEVERITIES, Finding
+from helpers.audit.rules import SEVERITIES, Finding, is_unknown
 
 
 @dataclass
@@ -49,7 +49,9 @@ class AuditReport(report.ResultMixin):
     def summary(self) -> str:
         """Plain text for the CLI: counts, then each finding with its evidence and fix."""
         counts = self.counts()
-        lines = [f"{counts['error']} error(s), {counts['warning']} warning(s), {counts['info']} info"]
+        unknown = sum(is_unknown(f) for f in self.findings)
+        lines = [f"{counts['error']} error(s), {counts['warning']} warning(s), {counts['info']} info"
+                 + (f" ({unknown} unknown: facts missing, not judged)" if unknown else "")]
         for f in self.findings:
             lines += [f"[{f.severity}] {f.code}: {f.title}", f"    evidence: {f.evidence}",
                       f"    fix: {f.fix}", f"    source: {f.source}"]

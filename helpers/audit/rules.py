@@ -19,10 +19,14 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+from helpers.audit.mpi import hostfile_from_config
+
 SEVERITIES = ("error", "warning", "info")
 MIB = 1024 * 1024
 SHM_MIN_BYTES = 512 * MIB
 RTX40_MIN_DRIVER = "550.40.07"
+# the oldest Linux driver of each CUDA major version (NVIDIA CUDA Toolkit release notes, table 2)
+CUDA_MIN_DRIVER = {11: "450.80.02", 12: "525.60.13", 13: "580.65.06"}
 NCCL_P2P_LEVELS = ("LOC", "NVL", "PIX", "PXB", "PHB", "SYS")
 HARD_THROTTLE = ("HwSlowdown", "HwThermalSlowdown", "HwPowerBrakeSlowdown", "SwThermalSlowdown")
 
@@ -51,8 +55,33 @@ class Finding:
 # ---------------------------------------------------------------------------------------------
 # the registry: a rule and its code are declared once, with @rule("CODE")
 
-# what a rule's body calls to build a finding: found(severity, title, evidence, fix, source)
-Found = Callable[[str, str, str, str, str], Finding]
+UNKNOWN_FIX = ("Not judged: run `python -m helpers audit` on that machine itself (or add the "
+               "missing output to --facts) to judge it.")
+UNKNOWN_SOURCE = "helpers.audit.rules (a fact missing from the facts is unknown, never guessed)"
+
+
+class Found:
+    """What a rule's body calls to build a finding: ``found(severity, title, evidence, fix,
+    source)``, or ``found.unknown(what, *facts)`` when facts it needs are missing (an info
+    finding whose title starts with "Unknown:", instead of a verdict)."""
+
+    def __init__(self, code: str):
+        self.code = code
+
+    def __call__(self, severity: str, title: str, evidence: str, fix: str, source: str) -> Finding:
+        return Finding(self.code, severity, title, evidence, fix, source)
+
+    def unknown(self, what: str, *missing_facts: str) -> Finding:
+        return Finding(self.code, "info", f"Unknown: {what}",
+                       f"not in the facts: {', '.join(missing_facts)}", UNKNOWN_FIX, UNKNOWN_SOURCE)
+
+
+def is_unknown(finding: Finding | dict[str, Any]) -> bool:
+    """Whether a finding says "unknown" rather than judging (see ``Found.unknown``)."""
+    title = finding.get("title", "") if isinstance(finding, dict) else finding.title
+    return str(title).startswith("Unknown: ")
+
+
 Check = Callable[[dict[str, Any], Found], list[Finding]]
 Rule = Callable[[dict[str, Any]], list[Finding]]
 REGISTRY: dict[str, Rule] = {}  # code -> rule, in the order the rules are declared
@@ -71,7 +100,7 @@ def rule(code: str) -> Callable[[Check], Rule]:
         raise ValueError(f"rule code {code} is already declared by {REGISTRY[code].__name__}")
 
     def register(check: Check) -> Rule:
-        found = functools.partial(Finding, code)
+        found = Found(code)
 
         @functools.wraps(check)
         def judged(facts: dict[str, Any]) -> list[Finding]:
@@ -93,6 +122,30 @@ def get(facts: dict[str, Any], dotted: str, default: Any = None) -> Any:
     return default if value is None else value
 
 
+def known(facts: dict[str, Any], dotted: str) -> bool:
+    """Whether the facts hold ``dotted`` at all (a value of None is known: "none").
+
+    ``gpus[].key``: every GPU holds ``key`` (true for an empty list); false when ``gpus`` is missing.
+    """
+    if "[]." in dotted:
+        head, _, key = dotted.partition("[].")
+        if not known(facts, head):
+            return False
+        items = get(facts, head, [])
+        return all(key in item for item in items if isinstance(item, dict))
+    value: Any = facts
+    for key in dotted.split("."):
+        if not isinstance(value, dict) or key not in value:
+            return False
+        value = value[key]
+    return True
+
+
+def missing(facts: dict[str, Any], *dotted: str) -> list[str]:
+    """The facts among ``dotted`` that ``facts`` does not hold (see ``known``)."""
+    return [name for name in dotted if not known(facts, name)]
+
+
 def parse_version(text: Any) -> tuple[int, ...] | None:
     """'550.40.07' -> (550, 40, 7); '12.4' -> (12, 4); None for anything else."""
     if not isinstance(text, str):
@@ -102,7 +155,8 @@ def parse_version(text: Any) -> tuple[int, ...] | None:
 
 
 def _gpus(facts: dict[str, Any]) -> list[dict[str, Any]]:
-    return [gpu for gpu in get(facts, "gpus", []) if isinstance(gpu, dict)]
+    gpus = get(facts, "gpus", [])
+    return [gpu for gpu in gpus if isinstance(gpu, dict)] if isinstance(gpus, list) else []
 
 
 # ---------------------------------------------------------------------------------------------
@@ -198,6 +252,9 @@ def visible_gpus(facts: dict[str, Any]) -> list[dict[str, Any]]:
 @rule("KERNEL_BELOW_5_5")
 def rule_kernel(facts: dict[str, Any], found: Found) -> list[Finding]:
     """Accelerate warns below 5.5 because hangs were reported there."""
+    lacking = missing(facts, "os.system", "os.kernel")
+    if "os.system" in lacking or (get(facts, "os.system") == "Linux" and lacking):
+        return [found.unknown("whether the Linux kernel is below 5.5", *lacking)]
     release = get(facts, "os.kernel", "")
     version = parse_version(release)
     if get(facts, "os.system") != "Linux" or version is None or version[:3] >= (5, 5, 0):
@@ -221,6 +278,10 @@ def rule_torch_driver(facts: dict[str, Any], found: Found) -> list[Finding]:
     """The driver supports an older CUDA than torch was built with."""
     built, supported = get(facts, "torch.cuda"), get(facts, "driver.cuda")
     built_v, supported_v = parse_version(built), parse_version(supported)
+    if not known(facts, "torch.cuda") and (_gpus(facts) or get(facts, "driver.version")):
+        return [found.unknown("whether the driver supports torch's CUDA version", "torch.cuda")]
+    if built_v and not known(facts, "driver.cuda"):
+        return _driver_major_only(facts, found, built, built_v)
     if not built_v or not supported_v or supported_v[:2] >= built_v[:2]:
         return []
     evidence = (f"torch {get(facts, 'torch.version', '?')} is built for CUDA {built}; driver "
@@ -243,11 +304,34 @@ def rule_torch_driver(facts: dict[str, Any], found: Found) -> list[Finding]:
         SRC_CUDA_COMPAT)]
 
 
+def _driver_major_only(facts: dict[str, Any], found: Found, built: str,
+                       built_v: tuple[int, ...]) -> list[Finding]:
+    """Judge by the driver's version when its CUDA version is not in the facts (collect_env)."""
+    driver = get(facts, "driver.version")
+    driver_v, minimum = parse_version(driver), CUDA_MIN_DRIVER.get(built_v[0])
+    if not known(facts, "driver.version"):
+        return [found.unknown("whether the driver supports torch's CUDA version",
+                              "driver.cuda", "driver.version")] if _gpus(facts) else []
+    if driver_v is None or minimum is None:
+        return []
+    if driver_v < parse_version(minimum):
+        return [found(
+            "error", f"The NVIDIA driver is too old for torch's CUDA {built} build",
+            f"torch {get(facts, 'torch.version', '?')} is built for CUDA {built}; driver {driver} "
+            f"is older than {minimum}, the first to support CUDA {built_v[0]}.x",
+            f"Install a torch build for an older CUDA (pytorch.org, 'Get started') or upgrade the "
+            f"driver to {minimum} or newer.", SRC_CUDA_COMPAT + ", minimum driver versions")]
+    return [found.unknown(f"which CUDA {built_v[0]}.x driver {driver} supports (its major version "
+                          f"fits torch's CUDA {built})", "driver.cuda")]
+
+
 @rule("TORCH_CPU_BUILD_WITH_GPUS")
 def rule_cpu_build(facts: dict[str, Any], found: Found) -> list[Finding]:
     """A CPU-only torch on a machine with NVIDIA GPUs."""
     gpus = _gpus(facts)
     version = get(facts, "torch.version")
+    if gpus and version and missing(facts, "torch.cuda"):
+        return [found.unknown("whether torch is a CPU-only build", "torch.cuda")]
     if not gpus or not version or get(facts, "torch.cuda") or get(facts, "torch.hip"):
         return []
     return [found(
@@ -263,6 +347,9 @@ def rule_cpu_build(facts: dict[str, Any], found: Found) -> list[Finding]:
 @rule("CUDA_VISIBLE_DEVICES_INVALID")
 def rule_visible_devices(facts: dict[str, Any], found: Found) -> list[Finding]:
     """Duplicates, out of range, mixed forms, unknown UUIDs, empty."""
+    if not known(facts, "env"):
+        return [found.unknown("whether CUDA_VISIBLE_DEVICES selects what it seems to", "env")] \
+            if _gpus(facts) else []
     value = get(facts, "env", {}).get("CUDA_VISIBLE_DEVICES")
     if value is None:
         return []
@@ -283,6 +370,8 @@ def rule_visible_devices(facts: dict[str, Any], found: Found) -> list[Finding]:
 @rule("CUDA_INITIALIZED_BEFORE_LAUNCH")
 def rule_cuda_initialized(facts: dict[str, Any], found: Found) -> list[Finding]:
     """CUDA already initialised where ranks are about to be forked."""
+    # about the auditing process itself: facts from a file or a paste describe no such process,
+    # so a missing value is no verdict either way
     if not get(facts, "torch.initialized_here", False):
         return []
     site = get(facts, "torch.init_site") or "a call that could not be traced"
@@ -299,6 +388,8 @@ def rule_cuda_initialized(facts: dict[str, Any], found: Found) -> list[Finding]:
 @rule("MIXED_GPU_MODELS")
 def rule_mixed_models(facts: dict[str, Any], found: Found) -> list[Finding]:
     """More than one GPU model among the visible GPUs."""
+    if missing(facts, "gpus[].name") and _gpus(facts):
+        return [found.unknown("whether the GPUs are of one model", "gpus[].name")]
     models = Counter(gpu.get("name") or "?" for gpu in visible_gpus(facts))
     if len(models) < 2:
         return []
@@ -315,6 +406,8 @@ def rule_mixed_models(facts: dict[str, Any], found: Found) -> list[Finding]:
 @rule("SHM_TOO_SMALL")
 def rule_shm(facts: dict[str, Any], found: Found) -> list[Finding]:
     """/dev/shm below 512 MiB (Docker's default is 64 MB)."""
+    if not known(facts, "os.shm_bytes"):
+        return [found.unknown("the size of /dev/shm", "os.shm_bytes")]
     size = get(facts, "os.shm_bytes")
     if not isinstance(size, int) or size >= SHM_MIN_BYTES:
         return []
@@ -331,6 +424,8 @@ def rule_shm(facts: dict[str, Any], found: Found) -> list[Finding]:
 @rule("NCCL_ENV_SUSPICIOUS")
 def rule_nccl_env(facts: dict[str, Any], found: Found) -> list[Finding]:
     """P2P/IB/SHM disabled, bad NCCL_P2P_LEVEL, missing socket interfaces."""
+    if not known(facts, "env"):
+        return [found.unknown("the NCCL variables", "env")]
     env = get(facts, "env", {})
     findings = []
     rtx40_expected = bool(_rtx40_old_driver(facts))
@@ -397,16 +492,22 @@ def _rtx40_old_driver(facts: dict[str, Any]) -> list[str]:
 def rule_rtx40(facts: dict[str, Any], found: Found) -> list[Finding]:
     """RTX 4000-series GPUs with a driver older than 550.40.07."""
     names = _rtx40_old_driver(facts)
+    rtx40 = [g for g in visible_gpus(facts) if "RTX 40" in str(g.get("name"))]
+    if not names and len(rtx40) >= 2 and not known(facts, "driver.version"):
+        return [found.unknown("whether the driver is recent enough for RTX 4000-series P2P",
+                              "driver.version")]
     if not names:
         return []
     env = get(facts, "env", {})
     both_set = env.get("NCCL_P2P_DISABLE") == "1" and env.get("NCCL_IB_DISABLE") == "1"
+    shown = (f"NCCL_P2P_DISABLE={env.get('NCCL_P2P_DISABLE')!r}, "
+             f"NCCL_IB_DISABLE={env.get('NCCL_IB_DISABLE')!r}" if known(facts, "env") else
+             "NCCL_P2P_DISABLE and NCCL_IB_DISABLE unknown (the environment is not in the facts)")
     return [found(
         "info" if both_set else "warning",
         f"RTX 4000-series GPUs with driver {get(facts, 'driver.version')} (< {RTX40_MIN_DRIVER}): "
         "P2P and IB must be disabled",
-        f"{len(names)} x {names[0]}; NCCL_P2P_DISABLE={env.get('NCCL_P2P_DISABLE')!r}, "
-        f"NCCL_IB_DISABLE={env.get('NCCL_IB_DISABLE')!r}",
+        f"{len(names)} x {names[0]}; {shown}",
         "Upgrade the driver to 550.40.07 or newer. Otherwise `accelerate launch` and "
         "notebook_launcher set NCCL_P2P_DISABLE=1 and NCCL_IB_DISABLE=1 for you; under plain "
         "torchrun set both yourself (Accelerator() refuses to start without them).",
@@ -423,10 +524,18 @@ def rule_accelerate_config(facts: dict[str, Any], found: Found) -> list[Finding]
                         "The accelerate config file cannot be read", f"{path}: {error}",
                         "Fix or recreate it with `accelerate config`; `accelerate launch` fails "
                         "on it too.", "accelerate commands/config/config_args.py")]
+    if not known(facts, "accelerate_config"):
+        return [found.unknown("whether the accelerate config fits this machine", "accelerate_config")]
     config = get(facts, "accelerate_config")
+    if isinstance(config, dict) and not config.get("use_cpu") and missing(facts, "gpus"):
+        return [found.unknown("whether the accelerate config fits the GPUs", "gpus")]
     if not isinstance(config, dict) or not _gpus(facts) or config.get("use_cpu"):
         return []
-    return [found(severity, title, f"{path}: {evidence}", fix,
+    if not known(facts, "env"):
+        evidence_note = " (CUDA_VISIBLE_DEVICES unknown: every listed GPU counted as visible)"
+    else:
+        evidence_note = ""
+    return [found(severity, title, f"{path}: {evidence}{evidence_note}", fix,
                     "accelerate commands/config/config_args.py; torch.cuda.is_bf16_supported "
                     "(compute capability 8.0+)")
             for severity, title, evidence, fix in _config_problems(config, visible_gpus(facts))]
@@ -470,6 +579,8 @@ def _int(value: Any, default: int) -> int:
 @rule("PORT_IN_USE")
 def rule_port(facts: dict[str, Any], found: Found) -> list[Finding]:
     """The rendezvous port (MASTER_PORT or 29500) is taken."""
+    if not known(facts, "network.rendezvous_port"):
+        return [found.unknown("whether the rendezvous port is free", "network.rendezvous_port")]
     port = get(facts, "network.rendezvous_port", {})
     if port.get("free") is not False:
         return []
@@ -485,6 +596,8 @@ def rule_port(facts: dict[str, Any], found: Found) -> list[Finding]:
 @rule("OMP_THREADS_OVERSUBSCRIBED")
 def rule_omp(facts: dict[str, Any], found: Found) -> list[Finding]:
     """OMP_NUM_THREADS x local ranks exceeds the usable CPUs."""
+    if not known(facts, "env"):
+        return [found.unknown("whether OMP_NUM_THREADS oversubscribes the CPUs", "env")]
     env = get(facts, "env", {})
     value = env.get("OMP_NUM_THREADS")
     if value is None:
@@ -523,6 +636,9 @@ def _local_ranks(facts: dict[str, Any]) -> tuple[int, str]:
 @rule("PCIE_LINK_DEGRADED")
 def rule_pcie(facts: dict[str, Any], found: Found) -> list[Finding]:
     """A link narrower than its maximum (or slower: maybe idle power saving)."""
+    lacking = missing(facts, "gpus[].pcie_width", "gpus[].pcie_gen")
+    if lacking and _gpus(facts):
+        return [found.unknown("the GPUs' PCIe links", *lacking)]
     findings = []
     for gpu in _gpus(facts):
         width, gen = gpu.get("pcie_width") or {}, gpu.get("pcie_gen") or {}
@@ -556,6 +672,8 @@ def _below(link: dict[str, Any]) -> bool:
 @rule("GPU_THROTTLED")
 def rule_throttle(facts: dict[str, Any], found: Found) -> list[Finding]:
     """Clocks held down by hardware slowdown, thermal limits or power brake."""
+    if missing(facts, "gpus[].throttle_reasons") and _gpus(facts):
+        return [found.unknown("whether the GPUs are throttled", "gpus[].throttle_reasons")]
     findings = []
     for gpu in _gpus(facts):
         reasons = [r for r in gpu.get("throttle_reasons") or [] if r in HARD_THROTTLE]
@@ -573,6 +691,8 @@ def rule_throttle(facts: dict[str, Any], found: Found) -> list[Finding]:
 @rule("ECC_ERRORS")
 def rule_ecc(facts: dict[str, Any], found: Found) -> list[Finding]:
     """Uncorrectable memory errors (since boot: error; ever: warning)."""
+    if missing(facts, "gpus[].ecc") and _gpus(facts):
+        return [found.unknown("the GPUs' ECC error counts", "gpus[].ecc")]
     findings = []
     for gpu in _gpus(facts):
         ecc = gpu.get("ecc") or {}
@@ -594,6 +714,8 @@ def rule_ecc(facts: dict[str, Any], found: Found) -> list[Finding]:
 @rule("GPU_QUERY_FAILED")
 def rule_gpu_errors(facts: dict[str, Any], found: Found) -> list[Finding]:
     """NVML could not query a GPU (e.g. 'GPU is lost')."""
+    if missing(facts, "gpus[].error") and _gpus(facts):
+        return [found.unknown("whether every GPU answers NVML queries", "gpus[].error")]
     return [found(
         "error", f"GPU{gpu.get('index')} could not be queried: {gpu['error']}",
         f"NVML, GPU index {gpu.get('index')}: {gpu['error']}",
@@ -605,6 +727,8 @@ def rule_gpu_errors(facts: dict[str, Any], found: Found) -> list[Finding]:
 @rule("NVML_UNAVAILABLE")
 def rule_nvml(facts: dict[str, Any], found: Found) -> list[Finding]:
     """NVML could not be used (no driver, no pynvml, driver not loaded)."""
+    if not known(facts, "driver.error") and not get(facts, "driver.version"):
+        return [found.unknown("whether NVML (the driver's library) works", "driver.error")]
     error = get(facts, "driver.error")
     if not error:
         return []
@@ -626,6 +750,8 @@ def rule_no_gpu(facts: dict[str, Any], found: Found) -> list[Finding]:
     """CPU-only; the distributed checks run on gloo."""
     if _gpus(facts) or get(facts, "torch.cuda_available", False):
         return []
+    if not known(facts, "gpus"):
+        return [found.unknown("whether this machine has NVIDIA GPUs", "gpus")]
     return [found(
         "info", "No NVIDIA GPU here: distributed checks run on CPU with gloo",
         f"NVML: {get(facts, 'driver.error') or 'no GPUs'}; torch.cuda.is_available() = "
@@ -638,6 +764,8 @@ def rule_no_gpu(facts: dict[str, Any], found: Found) -> list[Finding]:
 @rule("TORCH_PROBE_FAILED")
 def rule_torch_probe(facts: dict[str, Any], found: Found) -> list[Finding]:
     """Torch could not be imported (or CUDA hung) in the probe child."""
+    if not known(facts, "torch.probe") and not get(facts, "torch.version"):
+        return [found.unknown("whether torch imports", "torch.probe", "torch.version")]
     error = get(facts, "torch.probe.error")
     if not error:
         return []
@@ -651,6 +779,9 @@ def rule_torch_probe(facts: dict[str, Any], found: Found) -> list[Finding]:
 @rule("HOSTNAME_UNRESOLVED")
 def rule_hostname(facts: dict[str, Any], found: Found) -> list[Finding]:
     """This machine's own name does not resolve."""
+    if not known(facts, "network.hostname_resolves"):
+        return [found.unknown("whether this machine's host name resolves",
+                              "network.hostname_resolves")]
     if get(facts, "network.hostname_resolves", True) is not False:
         return []
     return [found(
@@ -661,13 +792,83 @@ def rule_hostname(facts: dict[str, Any], found: Found) -> list[Finding]:
         "torch elastic rendezvous docs (c10d endpoint host names)")]
 
 
+SRC_MPI = ("accelerate troubleshooting guide, 'MPI' (passwordless SSH; the mpirun hostname sanity "
+           "check); accelerate utils/launch.py _get_mpirun_args")
+
+
+@rule("MPI_NOT_READY")
+def rule_mpi(facts: dict[str, Any], found: Found) -> list[Finding]:
+    """mpirun missing, the hostfile unreadable, hosts without passwordless SSH, a failed sanity run."""
+    config = get(facts, "accelerate_config")
+    wants = isinstance(config, dict) and (str(config.get("distributed_type")) == "MULTI_CPU" or
+                                          bool(hostfile_from_config(config)))
+    if not known(facts, "mpi"):
+        return [found.unknown("whether MPI (mpirun, the hostfile, SSH) is ready", "mpi")] \
+            if wants else []
+    mpi = get(facts, "mpi")
+    if not isinstance(mpi, dict):
+        return []
+    findings = []
+    if not mpi.get("mpirun") and (wants or mpi.get("hostfile")):
+        findings.append(found(
+            "error", "mpirun (or mpiexec) is not on PATH",
+            f"MPI is relevant here because {mpi.get('relevant')}; neither mpirun nor mpiexec found",
+            "Install an MPI (Open MPI: apt-get install openmpi-bin; or Intel MPI / MPICH) on every "
+            "host and put its bin folder on PATH; accelerate launch raises 'mpirun or mpiexec were "
+            "not found' otherwise.", SRC_MPI))
+    hostfile = mpi.get("hostfile") or {}
+    if hostfile and hostfile.get("error"):
+        findings.append(found(
+            "error", f"The MPI hostfile {hostfile.get('path')} cannot be used",
+            f"{hostfile.get('path')} ({hostfile.get('source')}): {hostfile.get('error')}",
+            "Write one host per line (Open MPI: 'host slots=N'; Intel MPI / MPICH: 'host:N') and "
+            "point mpirun_hostfile at it (accelerate config, or --mpirun_hostfile).", SRC_MPI))
+    ssh = mpi.get("ssh") or {}
+    failing = {host: r for host, r in ssh.items() if isinstance(r, dict) and not r.get("ok")}
+    if failing:
+        remote = [h for h, r in failing.items() if not r.get("local")]
+        findings.append(found(
+            "error" if remote else "warning",
+            f"No passwordless SSH to {len(failing)} of {len(ssh)} host(s): "
+            + ", ".join(failing),
+            "; ".join(f"ssh -o BatchMode=yes {host} true: {r.get('error')}"
+                      for host, r in failing.items()),
+            "mpirun starts ranks on the other hosts over SSH and hangs or fails without it: "
+            "ssh-keygen, then ssh-copy-id to every host of the hostfile (from every host that "
+            "launches), and check with `ssh -o BatchMode=yes HOST true`."
+            + (" (This machine's own address needs it only when another host launches.)"
+               if not remote else ""), SRC_MPI))
+    sanity = mpi.get("sanity") or {}
+    if sanity.get("ran") is not None and not sanity.get("ok"):
+        findings.append(found(
+            "error", "The MPI sanity run failed",
+            f"{' '.join(sanity.get('command') or [])}: {sanity.get('error')}",
+            "Fix SSH and the hostfile first; the run must print one host name per host.", SRC_MPI))
+    command = mpi.get("sanity_command")
+    if not findings and command:
+        ran = sanity.get("ok")
+        findings.append(found(
+            "info", "MPI sanity run " + ("passed" if ran else "is ready to try"),
+            f"{mpi.get('version') or 'mpirun'}; {len(ssh)} host(s) reachable by passwordless SSH",
+            ("Nothing to fix." if ran else f"Run it: `{' '.join(command)}` (or `python -m helpers "
+             "audit --mpi-sanity`); it must print one host name per host."), SRC_MPI))
+    return findings
+
+
 # Every rule above, in the order declared: derived from the registry, so no list can miss one.
 RULES: tuple[Rule, ...] = tuple(REGISTRY.values())
 CODES: tuple[str, ...] = tuple(REGISTRY)
 
 
 def evaluate(facts: dict[str, Any]) -> list[Finding]:
-    """Every rule over ``facts``; findings sorted by severity (errors first), then code."""
+    """Every rule over ``facts`` (normalised first, see ``facts.normalise``); findings sorted by
+    severity (errors first), then code."""
+    from helpers.audit.facts import normalise  # facts -> render -> rules: imported when judging
+
+    try:
+        facts, _ = normalise(facts)
+    except ValueError:
+        pass  # odd facts: the rules read them through get() and never crash
     findings: list[Finding] = []
     for check in REGISTRY.values():
         try:

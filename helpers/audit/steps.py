@@ -26,6 +26,17 @@ def judge(facts: dict[str, Any]) -> AuditReport:
     return AuditReport(dict(facts), evaluate(facts))
 
 
+def sources_summary(facts: dict[str, Any]) -> list[str]:
+    """Lines saying which facts were read from which file, and what was inferred (notes)."""
+    lines = []
+    for source in facts.get("sources") or []:
+        read = source.get("facts")
+        listed = ", ".join(read) if isinstance(read, list) else str(read)
+        lines.append(f"read from {source.get('file')} ({source.get('kind')}): {listed or 'nothing'}")
+    lines += [f"note: {note}" for note in facts.get("notes") or []]
+    return lines
+
+
 def check_before_launch() -> list[Finding]:
     """CUDA_INITIALIZED_BEFORE_LAUNCH for *this* process, cheaply (no facts collected).
 
