@@ -16,6 +16,7 @@ import ast
 import datetime
 import json
 import os
+import re
 import shutil
 import tempfile
 import time
@@ -52,7 +53,7 @@ class NotebookRun(ResultMixin):
     result: str | None = None
     headline: str | None = None
     cell: int | None = None  # execution count of the cell that failed
-    cell_source: str | None = None  # its first line
+    cell_source: str | None = None  # its line that raised (else its first line)
     ename: str | None = None
     evalue: str | None = None
 
@@ -157,9 +158,8 @@ def _execute(path: Path, out_dir: Path, values: dict[str, Any], ipc_dir: Path) -
                                    cwd=str(NOTEBOOK_DIR), progress_bar=False, log_output=False,
                                    execution_timeout=CELL_TIMEOUT_S, config=kernel_config(ipc_dir))
     except papermill.PapermillExecutionError as exc:
-        source = next((line for line in (exc.source or "").splitlines() if line.strip()), "")
         run.ok, run.cell, run.ename = False, exc.exec_count, exc.ename
-        run.evalue, run.cell_source = redact_text(str(exc.evalue)), redact_text(source)
+        run.evalue, run.cell_source = redact_text(str(exc.evalue)), redact_text(failed_line(exc))
         run.error = redact_text(f"cell {exc.exec_count}: {exc.ename}: {exc.evalue}")
     except Exception as exc:  # noqa: BLE001 - a broken kernel fails this notebook, not the suite
         run.ok, run.ename, run.evalue = False, type(exc).__name__, redact_text(str(exc))
@@ -173,6 +173,21 @@ def _execute(path: Path, out_dir: Path, values: dict[str, Any], ipc_dir: Path) -
         run.result = _relative(result_json, out_dir)
         run.headline = read_result(result_json).get("headline")
     return run
+
+
+ANSI = re.compile(r"\x1b\[[0-9;]*m")
+ARROW = re.compile(r"^-*>\s*\d+\s(.*)$")
+
+
+def failed_line(exc: Any) -> str:
+    """The line of the failed cell that raised (IPython marks it ``----> N`` in the traceback's
+    first frame), else the cell's first non-empty line."""
+    for entry in exc.traceback or []:
+        for line in ANSI.sub("", str(entry)).splitlines():
+            match = ARROW.match(line.strip())
+            if match and match.group(1).strip():
+                return match.group(1).strip()
+    return next((line for line in (exc.source or "").splitlines() if line.strip()), "")
 
 
 def read_result(path: Path) -> dict[str, Any]:
