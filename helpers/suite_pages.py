@@ -44,7 +44,8 @@ h2 { font-size: 1.15em; margin: 28px 0 8px; }
 table { border-collapse: collapse; width: 100%; margin: 4px 0 8px; }
 th, td { border-bottom: 1px solid var(--line); padding: 6px 10px; text-align: left;
          vertical-align: top; overflow-wrap: anywhere; }
-th { background: var(--soft); font-weight: 600; font-size: 0.9em; }
+th { background: var(--soft); font-weight: 600; font-size: 0.9em; white-space: nowrap; }
+table.params, table.findings { width: auto; min-width: 50%; }
 td.num { text-align: right; white-space: nowrap; }
 td.name { white-space: nowrap; }
 tr.failed td { background: #fdeeee; }
@@ -107,7 +108,7 @@ def landing_page(summary: dict[str, Any]) -> str:
     verdict = (f"All {len(runs)} notebooks passed" if not failed
                else f"{len(failed)} of {len(runs)} notebooks failed")
     host = machine_label(machine, "this machine (anonymised)" if anonymize else "this machine")
-    parts = [f"<h1>{_badge(not failed, 'healthy' if not failed else 'problems')}{html.escape(verdict)}</h1>",
+    parts = [f"<h1>{_badge(not failed, 'healthy' if not failed else 'problems')} {html.escape(verdict)}</h1>",
              f"<p class='sub'>{_clean(host, anonymize)} &middot; report started "
              f"{_clean(summary.get('started'))}"
              + (f" &middot; {float(summary['seconds']):.0f} s in all" if summary.get("seconds") else "")
@@ -122,7 +123,7 @@ def landing_page(summary: dict[str, Any]) -> str:
         rows = "".join(f"<tr><td><code>{_clean(k)}</code></td>"
                        f"<td><code>{_clean(v, anonymize)}</code></td></tr>"
                        for k, v in summary["parameters"].items())
-        parts += ["<h2>Parameters set with -p</h2>", f"<table><tbody>{rows}</tbody></table>"]
+        parts += ["<h2>Parameters set with -p</h2>", f"<table class='params'><tbody>{rows}</tbody></table>"]
     return _document(f"{verdict}: report {summary.get('started', '')}", "".join(parts))
 
 
@@ -297,10 +298,10 @@ def fleet_page(fleet: dict[str, Any]) -> str:
         if entry.get("parameters"):
             given = ", ".join(f"{k}={v}" for k, v in entry["parameters"].items())
             about += f"<br><small>-p {_clean(given, anonymize)}</small>"
-        rows.append(f"<tr class='{'' if entry['ok'] else 'failed'}'><td class='name'>{_badge(entry['ok'])}"
+        rows.append(f"<tr class='{'' if entry['ok'] else 'failed'}'><td class='name'>{_badge(entry['ok'])} "
                     f"<b>{_link(entry['link'] + '/' + INDEX, entry['label'])}</b><br>{about}</td>"
                     f"{''.join(cells)}</tr>")
-    parts = [f"<h1>{_badge(not failed, 'healthy' if not failed else 'problems')}{html.escape(verdict)}</h1>",
+    parts = [f"<h1>{_badge(not failed, 'healthy' if not failed else 'problems')} {html.escape(verdict)}</h1>",
              f"<p class='sub'>{len(entries)} report folders combined "
              f"{html.escape(str(fleet.get('combined', '')))}</p>",
              f"<h2>Machines</h2><table class='fleet'><thead><tr><th>machine</th>{head}</tr></thead>"
