@@ -156,7 +156,7 @@ def _notebooks_html(runs: list[dict[str, Any]], anonymize: bool) -> str:
 
 def _failure_html(run: dict[str, Any], anonymize: bool) -> str:
     where = f"cell {run['cell']}" if run.get("cell") is not None else "before any cell ran"
-    source = f" <code>{_clean(run.get('cell_source'), anonymize)}</code>" if run.get("cell_source") else ""
+    source = f" at <code>{_clean(run.get('cell_source'), anonymize)}</code>" if run.get("cell_source") else ""
     message = (f"{run['ename']}: {run.get('evalue')}" if run.get("ename") else run.get("error")) or "failed"
     return (f"<div class='fail'><b>{_clean(run.get('name'))}</b>, {html.escape(where)}{source} "
             f"{_link(run.get('html'), 'open the executed notebook')}"
