@@ -280,6 +280,26 @@ class EarlyStopOutcome(Outcome):
     def __repr__(self) -> str:
         return f"EarlyStopOutcome({self.verdict()})"
 
+    def headline(self) -> str:
+        """The broken loop's diagnosis and how fast it came, then how the fixed loop ended."""
+        parts = []
+        broken = self.broken
+        if broken is None:
+            parts.append("broken loop skipped")
+        else:
+            d = broken.diagnosis
+            found = f"broken loop: {d.verdict} ({d.kind}) on rank(s) {d.ranks}"
+            if d.detected_after_s is not None:
+                found += f" found {d.detected_after_s:.1f} s after progress stopped"
+            parts.append(found + ("" if broken.diagnosed_right else " (NOT as expected)"))
+        fixed = self.fixed
+        if fixed.completed:
+            parts.append(f"fixed loop: all {fixed.num_processes} ranks stopped at step {fixed.stop_step}"
+                         f" in {fixed.seconds:.1f} s")
+        else:
+            parts.append(f"fixed loop did NOT complete: {fixed.diagnosis.verdict} ({fixed.diagnosis.kind})")
+        return "; ".join(parts)
+
 
 def outcome(broken: EarlyStopRun | Note, fixed: EarlyStopRun) -> EarlyStopOutcome:
     """Notebook 05's last cell: ``broken`` from ``run_broken`` (a Note when skipped), ``fixed`` from

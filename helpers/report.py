@@ -138,7 +138,9 @@ class Outcome(ResultMixin):
         assert result.ok, result.verdict()
         print(result.verdict())
 
-    Subclasses are dataclasses with an ``ok`` field (or property) and a ``verdict()`` sentence.
+    Subclasses are dataclasses with an ``ok`` field (or property), a ``verdict()`` sentence and a
+    ``headline()``: the key figures in one line, which ``save()`` writes as ``"headline"`` and
+    ``make report``'s landing page shows per notebook.
     """
 
     ok: bool
@@ -147,12 +149,18 @@ class Outcome(ResultMixin):
         """One line for the last cell: what happened, and whether that is what was expected."""
         raise NotImplementedError
 
+    def headline(self) -> str:
+        """The key figures in one short line (the report's landing page); by default the verdict."""
+        return self.verdict()
+
     def save(self, results_path: str | Path) -> Path | None:
-        """Write this outcome's JSON (``to_dict()``) atomically to ``results_path`` (a notebook
-        parameter: relative paths resolve against the repository root); nothing when it is empty."""
+        """Write this outcome's JSON (``to_dict()`` and ``"headline"``) atomically to ``results_path``
+        (a notebook parameter: relative paths resolve against the repository root); nothing when
+        it is empty."""
         if not results_path:
             return None
-        return atomic_write_json(params.resolve_path(results_path), self.to_dict())
+        data = {**self.to_dict(), "headline": self.headline()}
+        return atomic_write_json(params.resolve_path(results_path), data)
 
 
 KNOWN_NOISE = (

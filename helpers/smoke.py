@@ -377,6 +377,21 @@ class SmokeResult(Outcome):
         return (f"PASS: {len(self.checks)} collectives correct on {self.world_size} ranks "
                 f"({self.backend}, {self.device}){trivial}")
 
+    def headline(self) -> str:
+        """Collectives correct out of checked, ranks, and the peak busbw (all_reduce when measured)."""
+        if self.error:
+            return self.verdict()
+        right = sum(bool(c["ok"]) for c in self.checks)
+        line = (f"{right}/{len(self.checks)} collectives correct on {self.world_size} ranks "
+                f"({self.backend}, {self.device})")
+        peaks = self.peak_busbw()
+        op = "all_reduce" if "all_reduce" in peaks else max(peaks, key=peaks.get, default=None)
+        if op is not None:
+            line += f"; peak busbw {op} {peaks[op]:.3g} GB/s"
+        if self.launcher is not None and not self.launcher.ok:
+            line += "; notebook_launcher check FAILED"
+        return line
+
     def peak_busbw(self) -> dict[str, float]:
         """The best busbw per op, GB/s."""
         best: dict[str, float] = {}

@@ -1,7 +1,12 @@
 """Run every notebook headless with papermill into a report folder with an index (``make report``).
 
 ``reports/<timestamp>/`` gets, per notebook, the executed notebook, its HTML and its result JSON,
-plus ``summary.json`` and ``index.html``; ``reports/latest`` points at the newest folder.
+plus ``summary.json`` and ``index.html`` (the landing page: machine, each notebook's headline,
+top findings, failures); ``reports/latest`` points at the newest folder. ``--combine`` puts the
+report folders of many machines on one fleet page (``helpers.suite_pages``).
+
+Kernels talk to papermill over IPC sockets in a private folder, not TCP: the supported way to
+silence ipykernel's "running over TCP without encryption" warning, and nothing to eavesdrop on.
 """
 
 from __future__ import annotations
@@ -9,15 +14,18 @@ from __future__ import annotations
 import argparse
 import ast
 import datetime
-import html
+import json
 import os
+import re
+import shutil
+import tempfile
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from helpers import cli, params, report
+from helpers import cli, params, report, suite_pages
 from helpers.redact import redact_text, scrub_notebook
 from helpers.report import ResultMixin
 
@@ -26,11 +34,15 @@ REPORTS_DIR = params.REPO_ROOT / "reports"
 CELL_TIMEOUT_S = 900
 # parameters naming a folder a notebook writes into: inside the report folder unless set with -p
 OUTPUT_FOLDER_PARAMETERS = ("report_dir", "out_dir")
+AUDIT_NOTEBOOK = "01_environment_audit"
+KERNEL_LOG_LEVEL = "CRITICAL"
 
 
 @dataclass
 class NotebookRun(ResultMixin):
-    """One executed notebook: name, outcome, seconds, the error (cell and message) and its files."""
+    """One executed notebook: name, outcome, seconds, its headline (from its result JSON), the
+    error (one line; and for a failed cell: its number, first source line, ename and evalue) and
+    its files (relative to the report folder)."""
 
     name: str
     ok: bool
@@ -39,6 +51,11 @@ class NotebookRun(ResultMixin):
     notebook: str | None = None
     html: str | None = None
     result: str | None = None
+    headline: str | None = None
+    cell: int | None = None  # execution count of the cell that failed
+    cell_source: str | None = None  # its line that raised (else its first line)
+    ename: str | None = None
+    evalue: str | None = None
 
 
 @dataclass
@@ -50,6 +67,10 @@ class SuiteResult(ResultMixin):
     started: str
     parameters: dict[str, Any] = field(default_factory=dict)
     notebooks: list[NotebookRun] = field(default_factory=list)
+    machine: dict[str, Any] = field(default_factory=dict)  # host, GPUs, versions (from the audit)
+    findings: list[dict[str, str]] = field(default_factory=list)  # the audit's top findings
+    audit_report: str | None = None  # the audit's report JSON, relative to the report folder
+    seconds: float = 0.0
 
     def summary(self) -> str:
         """Plain-text table of the runs."""
@@ -60,14 +81,17 @@ class SuiteResult(ResultMixin):
 
 
 def list_notebooks(only: str | None = None) -> list[Path]:
-    """The suite's notebooks in order; ``only`` keeps those whose name contains it."""
-    found = sorted(NOTEBOOK_DIR.glob("[0-9][0-9]_*.ipynb"))
-    if only:
-        found = [p for p in found if only in p.stem]
-        if not found:
-            names = ", ".join(p.stem for p in sorted(NOTEBOOK_DIR.glob("[0-9][0-9]_*.ipynb")))
-            raise ValueError(f"only must name a notebook; got {only!r}; notebooks: {names}")
-    return found
+    """The suite's notebooks in order; ``only`` keeps those whose name contains it (or, separated
+    by commas, any of its parts: ``01,03``); each part must name a notebook."""
+    every = sorted(NOTEBOOK_DIR.glob("[0-9][0-9]_*.ipynb"))
+    if not only:
+        return every
+    parts = [part.strip() for part in only.split(",") if part.strip()]
+    for part in parts or [only]:
+        if not any(part in p.stem for p in every):
+            names = ", ".join(p.stem for p in every)
+            raise ValueError(f"only must name a notebook; got {part!r}; notebooks: {names}")
+    return [p for p in every if any(part in p.stem for part in parts)]
 
 
 def declared_parameters(path: Path) -> dict[str, Any]:
@@ -106,31 +130,111 @@ def route_parameters(notebooks: list[Path], given: dict[str, Any],
     return routed
 
 
-def _execute(path: Path, out_dir: Path, values: dict[str, Any]) -> NotebookRun:
+def kernel_config(ipc_dir: Path) -> Any:
+    """Configuration for papermill's kernel manager and client: IPC sockets inside ``ipc_dir``,
+    and the kernel's own log kept off the report's output.
+
+    ipykernel warns on every start over TCP that the traffic is unencrypted and names IPC
+    transport as the remedy; IPC sockets are files only this user can reach (``ipc_dir`` is
+    0700). The kernel's log (not the cells' output, which the executed notebook keeps; a dead
+    kernel still fails the notebook) otherwise prints lines such as "KeyboardInterrupt caught in
+    kernel" that say nothing about the notebook's outcome.
+    """
+    from traitlets.config import Config
+
+    return Config({"KernelManager": {"transport": "ipc", "ip": str(ipc_dir / "k")},
+                   "NotebookClient": {"extra_arguments": [f"--IPKernelApp.log_level={KERNEL_LOG_LEVEL}"]}})
+
+
+def _execute(path: Path, out_dir: Path, values: dict[str, Any], ipc_dir: Path) -> NotebookRun:
     import papermill
 
     executed = out_dir / path.name
     result_json = Path(values.get("results_path") or out_dir / f"{path.stem}.json")
     started = time.monotonic()
-    error = None
+    run = NotebookRun(path.stem, True, 0.0)
     try:
         papermill.execute_notebook(str(path), str(executed), parameters=values, kernel_name="python3",
                                    cwd=str(NOTEBOOK_DIR), progress_bar=False, log_output=False,
-                                   execution_timeout=CELL_TIMEOUT_S)
+                                   execution_timeout=CELL_TIMEOUT_S, config=kernel_config(ipc_dir))
     except papermill.PapermillExecutionError as exc:
-        error = f"cell {exc.exec_count}: {exc.ename}: {exc.evalue}"
+        run.ok, run.cell, run.ename = False, exc.exec_count, exc.ename
+        run.evalue, run.cell_source = redact_text(str(exc.evalue)), redact_text(failed_line(exc))
+        run.error = redact_text(f"cell {exc.exec_count}: {exc.ename}: {exc.evalue}")
     except Exception as exc:  # noqa: BLE001 - a broken kernel fails this notebook, not the suite
-        error = f"{type(exc).__name__}: {exc}"
-    seconds = time.monotonic() - started
-    run = NotebookRun(path.stem, error is None, seconds, error and redact_text(error))
+        run.ok, run.ename, run.evalue = False, type(exc).__name__, redact_text(str(exc))
+        run.error = redact_text(f"{type(exc).__name__}: {exc}")
+    run.seconds = time.monotonic() - started
     if executed.exists():
         scrub_notebook(executed)  # outputs, papermill's injected parameters, metadata
         run.notebook = executed.name
         run.html = _to_html(executed).name
     if result_json.exists():
-        run.result = str(result_json.relative_to(out_dir)) if result_json.is_relative_to(out_dir) \
-            else str(result_json)
+        run.result = _relative(result_json, out_dir)
+        run.headline = read_result(result_json).get("headline")
     return run
+
+
+ANSI = re.compile(r"\x1b\[[0-9;]*m")
+ARROW = re.compile(r"^-*>\s*\d+\s(.*)$")
+
+
+def failed_line(exc: Any) -> str:
+    """The line of the failed cell that raised (IPython marks it ``----> N`` in the traceback's
+    first frame), else the cell's first non-empty line."""
+    for entry in exc.traceback or []:
+        for line in ANSI.sub("", str(entry)).splitlines():
+            match = ARROW.match(line.strip())
+            if match and match.group(1).strip():
+                return match.group(1).strip()
+    return next((line for line in (exc.source or "").splitlines() if line.strip()), "")
+
+
+def read_result(path: Path) -> dict[str, Any]:
+    """A notebook's result JSON (secrets redacted); {} when it is unreadable or not an object."""
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError):
+        return {}
+    if not isinstance(data, dict):
+        return {}
+    from helpers.redact import redact_data
+
+    return redact_data(data)
+
+
+def _relative(path: Path, out_dir: Path) -> str:
+    return str(path.relative_to(out_dir)) if path.is_relative_to(out_dir) else str(path)
+
+
+def machine_here() -> dict[str, Any]:
+    """This machine in a few fields when the audit did not run: host, Python and package versions
+    (no GPU query: that is the audit's job)."""
+    import platform
+    import socket
+    from importlib import metadata
+
+    def version(name: str) -> str | None:
+        try:
+            return metadata.version(name)
+        except metadata.PackageNotFoundError:
+            return None
+
+    return {"host": socket.gethostname(), "anonymized": False,
+            "gpus": "not collected (the audit did not run)", "torch": version("torch"), "cuda": None,
+            "accelerate": version("accelerate"), "driver": None,
+            "python": platform.python_version(), "kernel": platform.release()}
+
+
+def _add_audit(result: SuiteResult, target: Path) -> None:
+    """The machine, the top findings and the report file from the audit's result JSON."""
+    audit = next((run for run in result.notebooks if run.name == AUDIT_NOTEBOOK and run.result), None)
+    data = read_result(target / audit.result) if audit else {}
+    result.machine = data.get("machine") or machine_here()
+    result.findings = list(data.get("top") or [])
+    report_json = data.get("report_json")
+    if report_json and Path(report_json).is_file():
+        result.audit_report = _relative(Path(report_json), target)
 
 
 def _to_html(executed: Path) -> Path:
@@ -139,18 +243,6 @@ def _to_html(executed: Path) -> Path:
 
     body, _ = HTMLExporter().from_notebook_node(nbformat.read(str(executed), as_version=4))
     return report.atomic_write_text(executed.with_suffix(".html"), body)
-
-
-def _index_html(result: SuiteResult) -> str:
-    rows = []
-    for run in result.notebooks:
-        link = f"<a href='{html.escape(run.html)}'>{html.escape(run.name)}</a>" if run.html else run.name
-        status = "pass" if run.ok else f"FAIL: {html.escape(run.error or '')}"
-        rows.append(f"<tr><td>{link}</td><td>{status}</td><td>{run.seconds:.1f} s</td></tr>")
-    verdict = "All notebooks passed" if result.ok else "Some notebooks failed"
-    return (f"<!doctype html><meta charset='utf-8'><title>Report {result.started}</title>"
-            f"<h1>{verdict}</h1><p>Started {result.started}</p><table border=1 cellpadding=4>"
-            f"<tr><th>notebook</th><th>outcome</th><th>time</th></tr>{''.join(rows)}</table>")
 
 
 def _link_latest(out_dir: Path) -> None:
@@ -178,31 +270,45 @@ def run_suite(out_dir: str | Path | None = None, only: str | None = None,
     result = SuiteResult(True, str(target), stamp, {k: redact_text(str(v)) if isinstance(v, str) else v
                                                     for k, v in (parameters or {}).items()})
     progress = on_progress or (lambda line: None)
-    for index, path in enumerate(notebooks, 1):
-        progress(f"[{index}/{len(notebooks)}] {path.stem} ...")
-        run = _execute(path, target, routed[path])
-        result.notebooks.append(run)
-        result.ok &= run.ok
-        progress(f"[{index}/{len(notebooks)}] {path.stem}: {'ok' if run.ok else 'FAILED'} "
-                 f"in {run.seconds:.1f} s" + (f" -- {run.error}" if run.error else ""))
+    started = time.monotonic()
+    ipc_dir = Path(tempfile.mkdtemp(prefix="helpers-kernels-"))  # 0700: the kernels' sockets
+    try:
+        for index, path in enumerate(notebooks, 1):
+            progress(f"[{index}/{len(notebooks)}] {path.stem} ...")
+            run = _execute(path, target, routed[path], ipc_dir)
+            result.notebooks.append(run)
+            result.ok &= run.ok
+            progress(f"[{index}/{len(notebooks)}] {path.stem}: {'ok' if run.ok else 'FAILED'} "
+                     f"in {run.seconds:.1f} s" + (f" -- {run.error or run.headline}"
+                                                  if run.error or run.headline else ""))
+    finally:
+        shutil.rmtree(ipc_dir, ignore_errors=True)
+    result.seconds = time.monotonic() - started
+    _add_audit(result, target)
     report.atomic_write_json(target / "summary.json", result)
-    report.atomic_write_text(target / "index.html", _index_html(result))
+    report.atomic_write_text(target / "index.html", suite_pages.landing_page(result.to_dict()))
     if not out_dir:
         _link_latest(target)
     return result
 
 
 def cli_main(argv: list[str]) -> int:
-    """``python -m helpers report [--out DIR] [--only NAME] [-p name value ...]``."""
+    """``python -m helpers report [--out DIR] [--only NAME] [-p name value ...]``, or
+    ``python -m helpers report --combine DIR [DIR ...] --out DIR`` (the fleet page)."""
     parser = argparse.ArgumentParser(prog="python -m helpers report", description=__doc__.splitlines()[0])
     parser.add_argument("--out", metavar="DIR", type=cli.path_arg,
-                        help="report folder (default reports/<timestamp>)")
-    parser.add_argument("--only", metavar="NAME", help="run only notebooks whose name contains NAME")
+                        help="report folder (default reports/<timestamp>); with --combine: the fleet folder")
+    parser.add_argument("--only", metavar="NAME", help="run only notebooks whose name contains NAME "
+                        "(several: 01,03)")
     parser.add_argument("-p", nargs=2, action="append", default=[], metavar=("NAME", "VALUE"),
                         help="set a parameter in the notebooks that declare it")
+    parser.add_argument("--combine", nargs="+", metavar="DIR", type=cli.path_arg,
+                        help="combine report folders of many machines into one fleet page (needs --out)")
     args = cli.parse(parser, argv)
     if isinstance(args, int):
         return args
+    if args.combine:
+        return _combine_main(args)
     try:
         values = {name: parse_value(text) for name, text in args.p}
         result = run_suite(args.out, args.only, values, on_progress=lambda line: print(line, flush=True))
@@ -210,3 +316,21 @@ def cli_main(argv: list[str]) -> int:
         return cli.usage_error(str(exc))
     print(result.summary())
     return cli.EXIT_OK if result.ok else cli.EXIT_PROBLEM
+
+
+def _combine_main(args: argparse.Namespace) -> int:
+    if not args.out:
+        return cli.usage_error("--combine needs --out DIR: the folder for the fleet page")
+    if args.only or args.p:
+        return cli.usage_error("--combine runs no notebook: --only and -p do not apply")
+    try:
+        fleet = suite_pages.combine(args.combine, args.out)
+    except ValueError as exc:
+        return cli.usage_error(str(exc))
+    failed = [e["label"] for e in fleet["reports"] if not e["ok"]]
+    print(f"{len(fleet['reports'])} machines; " + (f"FAILED: {', '.join(failed)}" if failed
+                                                   else "every machine passed every notebook"))
+    if fleet.get("identical") is False:
+        print("relevant facts differ between machines (see the page)")
+    print(f"fleet page: {Path(args.out) / suite_pages.INDEX}")
+    return cli.EXIT_OK if fleet["ok"] else cli.EXIT_PROBLEM

@@ -6,7 +6,10 @@ import atexit
 import glob
 import os
 import shutil
+import subprocess
+import sys
 import tempfile
+from dataclasses import dataclass
 from pathlib import Path
 
 import psutil
@@ -136,3 +139,52 @@ def marker_line(path: str | Path, marker: str) -> int:
         if text.rstrip().endswith(f"# line: {marker}"):
             return number
     raise AssertionError(f"no line marked {marker!r} in {path}")
+
+
+# ---------------------------------------------------------------------------------------------
+# real `make report` runs, shared by tests/test_suite_pages.py and tests/browser/
+
+
+@dataclass
+class ReportRuns:
+    """Three real report folders and their fleet page (``python -m helpers report`` each time).
+
+    ``node_a``: audit and smoke test on 2 ranks; ``node_b``: the same on 3 ranks, anonymised;
+    ``broken``: the smoke test with a bad ``num_processes`` (fails at its validation cell);
+    ``fleet``: ``--combine`` over the three. ``output`` holds each command's stdout + stderr.
+    """
+
+    node_a: Path
+    node_b: Path
+    broken: Path
+    fleet: Path
+    output: dict[str, subprocess.CompletedProcess]
+
+
+REPORT_RUNS = {
+    "node_a": ["--only", "01,03", "-p", "num_processes", "2", "-p", "max_size_mib", "1"],
+    "node_b": ["--only", "01,03", "-p", "num_processes", "3", "-p", "max_size_mib", "1",
+               "-p", "anonymize", "True"],
+    "broken": ["--only", "03", "-p", "num_processes", "0"],
+}
+
+
+# what differs between the "machines" besides the parameters: an NCCL variable the audit diffs
+REPORT_ENV = {"node_b": {"NCCL_DEBUG": "WARN"}}
+
+
+def helpers_report(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
+    """``python -m helpers report ARGS`` in a child (``env`` added); stdout and stderr kept apart."""
+    return subprocess.run([sys.executable, "-m", "helpers", "report", *args], capture_output=True,
+                          text=True, timeout=600, env={**os.environ, **(env or {})})
+
+
+@pytest.fixture(scope="session")
+def report_runs(tmp_path_factory: pytest.TempPathFactory) -> ReportRuns:
+    """Run the three reports and combine them, once per test session (about 25 s on 2 cores)."""
+    root = tmp_path_factory.mktemp("report-runs")
+    output = {name: helpers_report(*args, "--out", str(root / name), env=REPORT_ENV.get(name))
+              for name, args in REPORT_RUNS.items()}
+    output["fleet"] = helpers_report("--combine", *(str(root / name) for name in REPORT_RUNS),
+                                     "--out", str(root / "fleet"))
+    return ReportRuns(root / "node_a", root / "node_b", root / "broken", root / "fleet", output)

@@ -27,7 +27,7 @@ LAYERS = [
     {"launch"},
     {"doctor"},
     {"audit", "lint", "memory", "smoke", "repro", "early_stop"},
-    {"suite"},
+    {"suite", "suite_pages"},
 ]
 LAYER_OF = {concern: index for index, layer in enumerate(LAYERS) for concern in layer}
 

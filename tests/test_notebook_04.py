@@ -31,6 +31,9 @@ def test_small_budget_runs_every_section_and_writes_results(tmp_path, leftovers)
     assert search["confirmed"] and search["found"] >= 0.98 * baseline["found"]
     assert data["budget_bytes"] == 64 << 20 and len(baseline["probes"]) > 10
     assert data["ok"] is True and data["problems"] == []
+    assert data["headline"].startswith(f"batch size {search['found']} (search) for mlp under 64.0 MiB")
+    assert f"accelerate found {baseline['found']}" in data["headline"]
+    assert "2 ranks agreed on" in data["headline"]
     assert data["across_ranks"]["agreed"] is True and data["across_ranks"]["num_processes"] == 2
     assert data["across_ranks"]["rank_budgets_bytes"][0] == 16 << 20  # a quarter of 64 MiB
     text = notebook_text_outputs(nb)

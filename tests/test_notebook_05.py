@@ -31,6 +31,8 @@ def test_three_ranks_with_the_last_rank_stopping_at_step_1(tmp_path, leftovers):
     assert ops == [(0, "all_reduce"), (1, "all_reduce"), (2, "barrier")]
     assert diagnosis["detected_after_s"] < 3.0 + 3
     assert [(r["rank"], r["stopped_at"]) for r in fixed["ranks"]] == [(0, 1), (1, 1), (2, 1)]
+    assert data["headline"].startswith("broken loop: hang (collective-mismatch) on rank(s) [2] found ")
+    assert "s after progress stopped; fixed loop: all 3 ranks stopped at step 1 in " in data["headline"]
     text = notebook_text_outputs(nb)
     assert "broken loop on 3 ranks, rank 2 decided to stop at step 1" in text
     assert "every rank stopped at step 1 together" in text
@@ -47,6 +49,7 @@ def test_show_hang_false_runs_only_the_fixed_loop(tmp_path, leftovers):
                                            "results_path": str(results)})
     data = json.loads(results.read_text())
     assert data["broken"] is None and data["fixed"]["ok"]
+    assert data["headline"].startswith("broken loop skipped; fixed loop: all 2 ranks stopped at step 4")
     assert [r["stopped_at"] for r in data["fixed"]["ranks"]] == [4, 4]
     text = notebook_text_outputs(nb)
     assert "the broken run was skipped" in text and "broken loop: skipped" in text

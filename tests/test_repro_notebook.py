@@ -48,6 +48,8 @@ def test_notebook_shape_mismatch_end_to_end(tmp_path, leftovers):
     assert outcome["ok"] is True, outcome["problems"]
     assert outcome["broken"]["diagnosis"]["kind"] == "shape-mismatch"
     assert outcome["fixed"]["diagnosis"]["verdict"] == "ok"
+    assert "(shape-mismatch), culprit ranks" in outcome["headline"], outcome["headline"]
+    assert outcome["headline"].endswith("as expected; fixed variant passed"), outcome["headline"]
     # every step shows its result as ordinary output: the script, the diagnosis, the swimlane image,
     # the replay, the contrast of debug modes, the report
     assert "variable_gather_broken.py" in text and "Expected under the doctor" in text

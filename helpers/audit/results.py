@@ -114,7 +114,8 @@ class AuditRun(report.ResultMixin):
 class AuditOutcome(report.Outcome):
     """Notebook 01's outcome: the report was written and, under ``strict``, has no error-level
     finding. Its JSON keeps the keys the notebook wrote before it existed (``report_json``,
-    ``report_html``, ``counts``, ``codes``), then ``ok``, ``strict`` and ``problems``."""
+    ``report_html``, ``counts``, ``codes``), then ``ok``, ``strict``, ``problems``, ``top`` (the
+    most severe findings: severity, code, title) and ``machine`` (host, GPUs, versions)."""
 
     report_json: str | None
     report_html: str | None
@@ -123,6 +124,19 @@ class AuditOutcome(report.Outcome):
     ok: bool = True
     strict: bool = False
     problems: list[str] = field(default_factory=list)
+    top: list[dict[str, str]] = field(default_factory=list)
+    machine: dict[str, Any] = field(default_factory=dict)
+
+    def headline(self) -> str:
+        """Error and warning counts and the most severe finding, in one line."""
+        counts = self.counts
+        line = f"{counts.get('error', 0)} error(s), {counts.get('warning', 0)} warning(s)"
+        if self.top:
+            first = self.top[0]
+            line += f"; top: [{first['severity']}] {first['code']}: {first['title']}"
+        if not self.ok:
+            line += "; " + "; ".join(self.problems)
+        return line
 
     def verdict(self) -> str:
         """One line: where the report is and what it found, or what went wrong."""

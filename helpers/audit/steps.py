@@ -148,7 +148,35 @@ def outcome(cfg: params.Config, result: AuditReport, files: ReportFiles) -> Audi
             f"{f.code}: {f.title}" for f in result.errors()))
     return AuditOutcome(files.json_path, files.html_path, result.counts(),
                         [f.code for f in result.findings], ok=not problems, strict=strict,
-                        problems=problems)
+                        problems=problems, top=top_findings(result), machine=machine(result.facts))
+
+
+TOP_FINDINGS = 5
+
+
+def top_findings(result: AuditReport, limit: int = TOP_FINDINGS) -> list[dict[str, str]]:
+    """The most severe findings (errors, then warnings, then info; in the rules' order within a
+    severity), as ``{"severity", "code", "title"}``."""
+    rank = {severity: i for i, severity in enumerate(("error", "warning", "info"))}
+    ordered = sorted(result.findings, key=lambda f: rank.get(f.severity, len(rank)))
+    return [{"severity": f.severity, "code": f.code, "title": f.title} for f in ordered[:limit]]
+
+
+def machine(facts: dict[str, Any]) -> dict[str, Any]:
+    """Which machine this is, in a few fields: host (``<host>`` when anonymised), GPUs, the torch,
+    accelerate, CUDA and driver versions, Python and the kernel."""
+    gpus = [g for g in facts.get("gpus") or [] if isinstance(g, dict)]
+    names = sorted({str(g.get("name") or "?") for g in gpus})
+    torch = facts.get("torch") if isinstance(facts.get("torch"), dict) else {}
+    driver = facts.get("driver")
+    return {"host": facts.get("hostname"), "anonymized": bool(facts.get("anonymized")),
+            "gpus": f"{len(gpus)} x {', '.join(names)}" if gpus else "none (CPU only)",
+            "torch": torch.get("version") or (facts.get("packages") or {}).get("torch"),
+            "cuda": torch.get("cuda"),
+            "accelerate": (facts.get("packages") or {}).get("accelerate"),
+            "driver": driver.get("version") if isinstance(driver, dict) else None,
+            "python": (facts.get("python") or {}).get("version"),
+            "kernel": (facts.get("os") or {}).get("kernel")}
 
 
 def anonymize_facts(facts: dict[str, Any]) -> dict[str, Any]:

@@ -296,6 +296,24 @@ class BatchSizeOutcome(Outcome):
         line = self.explored.verdict() + self._ranks_text()
         return line if self.ok else "NOT OK: " + "; ".join(self.problems) + " | " + line
 
+    def headline(self) -> str:
+        """The batch size found, how sure, how close to the limit (the smallest size seen to fail),
+        and accelerate's answer beside it."""
+        explored = self.explored
+        chosen = explored.search or explored.accelerate
+        if chosen is None:
+            return "no strategy ran"
+        budget = format_mib(min(explored.rank_budgets_bytes)) if explored.rank_budgets_bytes else "?"
+        line = (f"batch size {explored.answer} ({chosen.strategy}) for {explored.model} under {budget}"
+                f" per rank: {chosen.certainty()}")
+        if explored.search is not None and explored.accelerate is not None:
+            line += f"; accelerate found {explored.accelerate.found}"
+        search = self.ranks.search if self.ranks is not None else None
+        if search is not None:
+            line += f"; {self.ranks.num_processes} ranks " + (
+                f"agreed on {search.found}" if search.agreed else f"ended with {_per_rank_text(search)}")
+        return line if self.ok else "NOT OK: " + "; ".join(self.problems) + " | " + line
+
     def _ranks_text(self) -> str:
         search = self.ranks.search if self.ranks is not None else None
         if search is None:

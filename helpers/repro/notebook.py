@@ -51,6 +51,17 @@ class ReproOutcome(report.Outcome):
             return f"Reproduced: {self.broken.verdict().rstrip('.')}{fixed}. Report: {self.report_md}"
         return "Not reproduced: " + "; ".join(self.problems)
 
+    def headline(self) -> str:
+        """The scenario, what the doctor found in how long, whether expected, and the fix's run."""
+        broken, found = self.broken, self.broken.diagnosis
+        line = (f"{broken.name}: {found.verdict} ({found.kind}), culprit ranks {found.ranks}, "
+                f"in {broken.seconds:.1f} s, " + ("as expected" if broken.as_expected else "NOT as expected"))
+        if self.fixed is not None:
+            fixed_ok = self.fixed.diagnosis.verdict == "ok" and self.fixed.as_expected
+            line += "; fixed variant " + (
+                "passed" if fixed_ok else f"FAILED ({self.fixed.diagnosis.verdict})")
+        return line
+
 
 def outcome(broken: ReproRun, fixed: ReproRun | Note | None, files: IssueFiles | None = None) -> ReproOutcome:
     """Did the broken run get its expected diagnosis and the fixed one pass?"""
