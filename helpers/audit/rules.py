@@ -488,6 +488,44 @@ def _rtx40_old_driver(facts: dict[str, Any]) -> list[str]:
     return names if driver < parse_version(RTX40_MIN_DRIVER) else []
 
 
+FR_DUMP_FILES = ("TORCH_FR_DUMP_TEMP_FILE", "TORCH_NCCL_DEBUG_INFO_TEMP_FILE")  # the older name second
+FR_SIZES = ("TORCH_FR_BUFFER_SIZE", "TORCH_NCCL_TRACE_BUFFER_SIZE")
+SRC_FR = ("torch ProcessGroupNCCL.hpp (TORCH_NCCL_DUMP_ON_TIMEOUT, TORCH_FR_DUMP_TEMP_FILE, "
+          "TORCH_NCCL_DEBUG_INFO_PIPE_FILE); nvidia-resiliency-ext release notes (TORCH_INCLUDE_STACK_TRACE=0)")
+
+
+@rule("NO_FLIGHT_RECORDER_DUMP")
+def rule_flight_recorder_dump(facts: dict[str, Any], found: Found) -> list[Finding]:
+    """On a GPU machine: the next NCCL timeout would leave no Flight Recorder dump where it can be read."""
+    if not visible_gpus(facts):
+        return []
+    if not known(facts, "env"):
+        return [found.unknown("the Flight Recorder variables", "env")]
+    env = get(facts, "env", {})
+    size = next((env[name] for name in FR_SIZES if name in env), None)
+    missing = []
+    if size == "0":
+        missing.append(f"{next(n for n in FR_SIZES if n in env)}=0 turns the Flight Recorder off")
+    if str(env.get("TORCH_NCCL_DUMP_ON_TIMEOUT", "")).lower() not in ("1", "true"):
+        missing.append("TORCH_NCCL_DUMP_ON_TIMEOUT is not set to 1 (set it: its default is not the "
+                       "same in every torch version)")
+    if not any(env.get(name) for name in FR_DUMP_FILES):
+        missing.append("TORCH_FR_DUMP_TEMP_FILE is not set (the dumps then go to each node's own /tmp)")
+    if not missing:
+        return []
+    return [found(
+        "info", "The next NCCL timeout would leave no Flight Recorder dump to read",
+        "; ".join(missing),
+        "Set, before the job starts (they are read when the process group is created): "
+        "TORCH_NCCL_DUMP_ON_TIMEOUT=1 and TORCH_FR_DUMP_TEMP_FILE=/shared/fr/rank_ on shared storage "
+        "(one file per rank; `python -m helpers doctor --from-fr /shared/fr` names the rank, the "
+        "collective and the line); TORCH_NCCL_DEBUG_INFO_PIPE_FILE=/shared/fr/pipe_ lets you ask a "
+        "live job for a dump by writing to <prefix><rank>.pipe; TORCH_INCLUDE_STACK_TRACE=0, because "
+        "the watchdog takes Python stacks under the GIL and can deadlock when the training thread "
+        "holds it (NVIDIA's production setting).",
+        SRC_FR)]
+
+
 @rule("RTX40_P2P_DRIVER")
 def rule_rtx40(facts: dict[str, Any], found: Found) -> list[Finding]:
     """RTX 4000-series GPUs with a driver older than 550.40.07."""
