@@ -491,7 +491,8 @@ def _rtx40_old_driver(facts: dict[str, Any]) -> list[str]:
 FR_DUMP_FILES = ("TORCH_FR_DUMP_TEMP_FILE", "TORCH_NCCL_DEBUG_INFO_TEMP_FILE")  # the older name second
 FR_SIZES = ("TORCH_FR_BUFFER_SIZE", "TORCH_NCCL_TRACE_BUFFER_SIZE")
 SRC_FR = ("torch ProcessGroupNCCL.hpp (TORCH_NCCL_DUMP_ON_TIMEOUT, TORCH_FR_DUMP_TEMP_FILE, "
-          "TORCH_NCCL_DEBUG_INFO_PIPE_FILE); nvidia-resiliency-ext release notes (TORCH_INCLUDE_STACK_TRACE=0)")
+          "TORCH_NCCL_DEBUG_INFO_PIPE_FILE); nvidia-resiliency-ext release notes "
+          "(TORCH_INCLUDE_STACK_TRACE=0)")
 
 
 @rule("NO_FLIGHT_RECORDER_DUMP")
