@@ -263,3 +263,36 @@ def test_a_folder_of_dumps_becomes_a_replay(tmp_path):
     plan = replay.plan_replay(replay.load_recording(tmp_path))
     assert [len(rank.steps) for rank in plan.ranks] == [4, 3]
     assert [rank.end for rank in plan.ranks] == ["wait", "busy"]
+
+
+def test_accelerates_own_data_loop_script_hangs_where_it_does(tmp_path):
+    # accelerate's shipped test script hangs on CPU ranks: join_uneven_inputs does nothing there, so
+    # rank 0 goes on into DDP's forward while rank 1 waits in wait_for_everyone()
+    import accelerate
+
+    script = Path(accelerate.__file__).parent / "test_utils" / "scripts" / "test_distributed_data_loop.py"
+    source = script.read_text().splitlines()
+    forward = next(n for n, text in enumerate(source, 1) if "output = ddp_model(batch[0].float())" in text)
+    barrier = next(n for n, text in enumerate(source, 1) if n > forward and "wait_for_everyone()" in text)
+    env = {**os.environ, "ACCELERATE_USE_CPU": "true", "TMPDIR": str(tmp_path), "OMP_NUM_THREADS": "1"}
+    agent = subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
+                              "--master-port", str(procs.free_port()), "--max-restarts", "0", str(script)],
+                             cwd=tmp_path, env=env, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
+                             stderr=subprocess.DEVNULL)
+    try:
+        deadline, found = time.monotonic() + 240, None
+        while time.monotonic() < deadline and agent.poll() is None:  # until rank 1 waits there
+            try:
+                [found] = doctor.attach(str(agent.pid))
+            except (doctor.AttachError, ValueError):
+                found = None  # ranks not started yet
+            if found and found.diagnosis.per_rank[1].op == "barrier":
+                break
+            time.sleep(0.5)
+        assert found is not None and found.diagnosis.per_rank[1].op == "barrier", "never reached the hang"
+        diagnosis = found.diagnosis
+        assert (diagnosis.kind, diagnosis.ranks) == ("rank-missing", [0]), diagnosis.text()
+        assert diagnosis.per_rank[0].location == f"{script.name}:{forward}"
+        assert diagnosis.per_rank[1].location == f"{script.name}:{barrier}"
+    finally:
+        procs.stop_tree(agent)
