@@ -109,6 +109,17 @@ def test_user_model_file_with_loss_attribute(leftovers):
     leftovers.check()
 
 
+def test_search_on_a_model_unlike_the_built_in_ones(leftovers):
+    """Embedding + conv + GRU under a real cap: few sizes, the answer fits, 2% above it fails."""
+    model = f"{FIXTURE}:embed_conv_gru"
+    search = memory.explore(model, 128, 3072, "search").search
+    sizes = [p.batch_size for p in search.probes]
+    assert search.confirmed and search.probe_sizes <= 8, sizes
+    assert search.failed_above <= search.found + max(1, math.floor(0.02 * search.found)), sizes
+    assert memory.probe(model, search.found, 128).ok
+    leftovers.check()
+
+
 def test_a_model_bug_is_not_taken_for_out_of_memory(leftovers):
     with pytest.raises(memory.ProbeError, match="other than memory.*RuntimeError"):
         memory.explore(f"{FIXTURE}:broken", BUDGET, 64, "search")
