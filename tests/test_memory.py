@@ -130,7 +130,7 @@ def test_a_model_bug_is_not_taken_for_out_of_memory(leftovers):
     ({"model": f"{FIXTURE}:huge"}, "memory_budget_mib=64 is below the model's own footprint"),
     ({"model": "missing/model.py:build"}, "model: file not found"),
     ({"model": f"{FIXTURE}:nothing_here"}, "has no function 'nothing_here'; functions defined there: "
-                                           "broken, huge, not_a_pair, tagger"),
+                                           "broken, embed_conv_gru, huge, not_a_pair, tagger"),
     ({"model": f"{FIXTURE}:not_a_pair"}, "must return (model, make_batch)"),
     ({"model": "resnet"}, "model must be one of 'mlp', 'conv', 'transformer' or "
                           "'path/to/file.py:function'; got 'resnet'"),
