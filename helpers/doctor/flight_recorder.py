@@ -94,6 +94,7 @@ def views_from_dumps(dumps: dict[int, dict[str, Any]]) -> dict[int, RankView]:
     entries = {rank: _entries(dump) for rank, dump in dumps.items()}
     last = {rank: {(e["pg"], e["collective_seq_id"]) for e in rank_entries}
             for rank, rank_entries in entries.items()}
+    _retire_matched(entries)
     views = {}
     for rank, rank_entries in entries.items():
         view = RankView(rank)
@@ -105,6 +106,21 @@ def views_from_dumps(dumps: dict[int, dict[str, Any]]) -> dict[int, RankView]:
             view.order.append(1)
         views[rank] = view
     return views
+
+
+def _retire_matched(entries: dict[int, list[dict[str, Any]]]) -> None:
+    """An entry every other rank issued too (or went past) is over, whatever its ``retired`` says:
+    gloo and NCCL mark completion asynchronously, so a dump taken just after an op may not show it."""
+    highest = {rank: {} for rank in entries}
+    for rank, rank_entries in entries.items():
+        for entry in rank_entries:
+            seqs = highest[rank]
+            seqs[entry["pg"]] = max(seqs.get(entry["pg"], 0), entry["collective_seq_id"])
+    for rank, rank_entries in entries.items():
+        others = [seqs for other, seqs in highest.items() if other != rank]
+        for entry in rank_entries:
+            if others and all(seqs.get(entry["pg"], 0) >= entry["collective_seq_id"] for seqs in others):
+                entry["retired"] = True
 
 
 def _first_unmatched(entries: list[dict[str, Any]], issued: dict[int, set], rank: int) -> dict | None:
