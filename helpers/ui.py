@@ -18,8 +18,10 @@ Folder = str | Path | Callable[[dict[str, Any]], str | Path]  # where an upload 
 TOGGLE_MAX = 3  # choices shown as toggle buttons up to this many, else a dropdown
 
 
-def _widget_for(name: str, value: Any, choices: Sequence[Any] | None = None):
-    """The control for one parameter: numeric choices slide, a few choices toggle, more drop down."""
+def _widget_for(name: str, value: Any, choices: Sequence[Any] | None = None, dropdown: bool = False):
+    """The control for one parameter: numeric choices slide, a few choices toggle, more drop down
+    (``dropdown``: always, for a list that changes, such as the jobs running now). A choice may be a
+    (label, value) pair."""
     import ipywidgets as widgets
 
     spec = params.SPECS.get(name)
@@ -28,7 +30,7 @@ def _widget_for(name: str, value: Any, choices: Sequence[Any] | None = None):
     options = list(choices or (spec.choices if spec and spec.kind == "choice" else None) or [])
     if options and all(isinstance(o, int | float) and not isinstance(o, bool) for o in options):
         return widgets.SelectionSlider(options=options, value=value, continuous_update=False, **common)
-    if options and len(options) <= TOGGLE_MAX:
+    if options and len(options) <= TOGGLE_MAX and not dropdown:
         return widgets.ToggleButtons(options=options, value=value, **common)
     if options:
         return widgets.Dropdown(options=options, value=value, **common)
@@ -52,12 +54,13 @@ class Panel:
     the kernel. The buttons are disabled while a run is in progress. ``uploads`` maps a path
     parameter to a folder (or a function of the current values giving one): an upload control next
     to it saves the chosen file there (atomically) and puts the saved file's path into the parameter.
+    ``dropdown`` names parameters whose choices always drop down (never toggle buttons).
     """
 
     def __init__(self, run: Callable[..., Any] | dict[str, Callable[..., Any]], defaults: dict[str, Any],
                  choices: dict[str, Sequence[Any]] | None = None, title: str = "",
                  button: str = "Run", show: Callable[[Any], None] | None = None,
-                 uploads: dict[str, Folder] | None = None):
+                 uploads: dict[str, Folder] | None = None, dropdown: Sequence[str] = ()):
         import ipywidgets as widgets
 
         self.actions = dict(run) if isinstance(run, dict) else {button: run}
@@ -65,7 +68,7 @@ class Panel:
         self.values: dict[str, Any] = dict(defaults)
         self.result: Any = None
         self.error: str | None = None
-        self.controls = {name: _widget_for(name, value, (choices or {}).get(name))
+        self.controls = {name: _widget_for(name, value, (choices or {}).get(name), name in dropdown)
                          for name, value in defaults.items()}
         for name, control in self.controls.items():
             control.observe(self._on_change(name), names="value")

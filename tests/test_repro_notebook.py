@@ -1,4 +1,5 @@
-"""Notebook 02 headless (papermill): symptom -> script -> doctor -> fix -> replay -> contrast -> report.
+"""Notebook 02 headless (papermill): symptom -> script -> doctor -> fix -> replay -> contrast -> report
+-> a plain torchrun job hung right now, attached to, replayed and stopped.
 
 Run with ``symptom = "shape-mismatch-error"`` (the defaults run under nbval in ``make test``), so the
 debug-mode contrast runs too, and with secret-bearing variables in the kernel's environment: neither
@@ -11,6 +12,7 @@ import json
 import sys
 from pathlib import Path
 
+import psutil
 from conftest import notebook_text_outputs, run_notebook
 
 from helpers import params
@@ -65,4 +67,18 @@ def test_notebook_shape_mismatch_end_to_end(tmp_path, leftovers):
     assert "The fixed variant (variable_gather_fixed.py) finishes on every rank." in report_md
     assert json.loads((out_dir / "diagnosis.json").read_text())["kind"] == "shape-mismatch"
     assert not list((REPO / "notebooks").glob("*.py")), "nothing is written into notebooks/"
+    # the hung torchrun job: shape mismatches crash, so the section attaches to uneven-eval instead
+    assert "crash rather than hang under torchrun" in text
+    assert "torchrun --nproc-per-node 2 --master-addr 127.0.0.1" in text
+    assert "Read from stacks alone (py-spy)" in text and "attached_replay.py" in text
+    assert "no process of the job is left" in text
+    attach = outcome["attach"]
+    assert attach["named_culprit"] and attach["replay_as_expected"] and attach["left"] == [], attach
+    assert (attach["scenario"], attach["kind"]) == ("uneven-eval", "collective-mismatch")
+    assert json.loads((out_dir / "attach" / "attached.json").read_text())["source"] == "py-spy"
+    job_script = str(out_dir / "attach" / "uneven_eval_broken.py")
+    left = [p.pid for p in psutil.process_iter(["cmdline"])
+            if job_script in " ".join(p.info["cmdline"] or [])]
+    assert not left, f"processes of the hung job left after the notebook: {left}"
+    assert not (out_dir / "attach" / "tmp").exists(), "the job's temporary files are removed"
     leftovers.check()

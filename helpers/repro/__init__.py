@@ -25,12 +25,29 @@ catalog says, the fixed one ok, the replay as the recorded run); 1: it did not; 
 
 Modules: ``symptoms`` (symptom -> scenarios), ``script`` (scenario scripts, replays built),
 ``replay`` (a kept record -> a replay script), ``runs`` (under the doctor, standalone, the debug-mode
-contrast), ``issue`` (report.md), ``notebook`` (notebook 02's steps and panel), ``cli``.
+contrast), ``live`` (a job hung right now: start it under plain torchrun, attach, replay, stop; the
+attach panel), ``issue`` (report.md), ``notebook`` (notebook 02's steps and panel), ``cli``.
 """
 
 from helpers.report import Note
 from helpers.repro.cli import cli_main, list_text
 from helpers.repro.issue import IssueFiles, report_markdown, report_summary, write_report
+from helpers.repro.live import (
+    JOB_DEADLINE_S,
+    AttachCheck,
+    Attachments,
+    HungJob,
+    JobStopped,
+    attach_check,
+    attach_job,
+    attach_panel,
+    attach_to,
+    job_processes,
+    replay_from,
+    running_jobs,
+    start_hung_job,
+    stop_job,
+)
 from helpers.repro.notebook import (
     ACTIONS,
     BUTTONS,
@@ -76,11 +93,14 @@ from helpers.repro.symptoms import (
     symptom_table,
 )
 
-__all__ = ["ACTIONS", "BUTTONS", "DEFAULT_OUT_DIR", "RUN_TIMEOUT_S", "SYMPTOMS", "DebugContrast",
-           "IssueFiles", "Note", "ReproOutcome", "ReproRun", "ReproScript", "Standalone", "Symptom",
-           "SymptomTable", "build_for", "build_replay", "build_script", "check_config",
-           "check_scenario_parameters", "cli_main", "debug_contrast", "expected_text", "explore",
-           "get_scenario", "get_symptom", "launch_commands", "list_text", "load_diagnosis",
-           "load_recording", "outcome", "panel", "plan_replay", "render_replay", "render_scenario",
-           "replay_of", "report_markdown", "report_summary", "run_fix", "run_script", "run_standalone",
-           "run_under_doctor", "scenario_expectation", "scenario_ids", "symptom_table", "write_report"]
+__all__ = ["ACTIONS", "BUTTONS", "DEFAULT_OUT_DIR", "JOB_DEADLINE_S", "RUN_TIMEOUT_S", "SYMPTOMS",
+           "AttachCheck", "Attachments", "DebugContrast", "HungJob", "IssueFiles", "JobStopped", "Note",
+           "ReproOutcome", "ReproRun", "ReproScript", "Standalone", "Symptom", "SymptomTable",
+           "attach_check", "attach_job", "attach_panel", "attach_to", "build_for", "build_replay",
+           "build_script", "check_config", "check_scenario_parameters", "cli_main", "debug_contrast",
+           "expected_text", "explore", "get_scenario", "get_symptom", "job_processes", "launch_commands",
+           "list_text", "load_diagnosis", "load_recording", "outcome", "panel", "plan_replay",
+           "render_replay", "render_scenario", "replay_from", "replay_of", "report_markdown",
+           "report_summary", "run_fix", "run_script", "run_standalone", "run_under_doctor", "running_jobs",
+           "scenario_expectation", "scenario_ids", "start_hung_job", "stop_job", "symptom_table",
+           "write_report"]

@@ -10,6 +10,7 @@ from helpers import params, report
 from helpers.report import Note
 from helpers.repro import replay
 from helpers.repro.issue import IssueFiles, write_report
+from helpers.repro.live import AttachCheck
 from helpers.repro.runs import ReproRun, run_fix, run_script
 from helpers.repro.script import DEFAULT_OUT_DIR, ReproScript, build_replay, build_script
 from helpers.repro.symptoms import get_scenario, get_symptom, scenario_ids
@@ -36,19 +37,22 @@ def build_for(cfg: params.Config) -> ReproScript:
 
 @dataclass
 class ReproOutcome(report.Outcome):
-    """The notebook's outcome: the bug diagnosed as expected, the fix passing, the report written."""
+    """The notebook's outcome: the bug diagnosed as expected, the fix passing, the report written,
+    and (``attach``) attaching to the hung torchrun job named the scenario's culprit."""
 
     ok: bool
     broken: ReproRun
     fixed: ReproRun | None
     report_md: str
     problems: list[str]
+    attach: AttachCheck | None = None
 
     def verdict(self) -> str:
         """One line for the last cell."""
         if self.ok:
             fixed = "; the fixed variant passed" if self.fixed else ""
-            return f"Reproduced: {self.broken.verdict().rstrip('.')}{fixed}. Report: {self.report_md}"
+            attach = f"; {self.attach.verdict()}" if self.attach else ""
+            return f"Reproduced: {self.broken.verdict().rstrip('.')}{fixed}{attach}. Report: {self.report_md}"
         return "Not reproduced: " + "; ".join(self.problems)
 
     def headline(self) -> str:
@@ -63,15 +67,19 @@ class ReproOutcome(report.Outcome):
         return line
 
 
-def outcome(broken: ReproRun, fixed: ReproRun | Note | None, files: IssueFiles | None = None) -> ReproOutcome:
-    """Did the broken run get its expected diagnosis and the fixed one pass?"""
+def outcome(broken: ReproRun, fixed: ReproRun | Note | None, files: IssueFiles | None = None,
+            attach: AttachCheck | None = None) -> ReproOutcome:
+    """Did the broken run get its expected diagnosis, the fixed one pass and (``attach``, from
+    ``repro.attach_check``) attaching to the hung job name its culprit, leaving no process?"""
     problems = []
     if not broken.as_expected:
         problems.append(broken.verdict())
     fixed_run = fixed if isinstance(fixed, ReproRun) else None
     if fixed_run is not None and not (fixed_run.diagnosis.verdict == "ok" and fixed_run.as_expected):
         problems.append(fixed_run.verdict())
-    return ReproOutcome(not problems, broken, fixed_run, files.report_md if files else "", problems)
+    if attach is not None:
+        problems += attach.problems
+    return ReproOutcome(not problems, broken, fixed_run, files.report_md if files else "", problems, attach)
 
 
 ACTIONS = ("build", "run", "show fix", "export")
