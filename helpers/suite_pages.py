@@ -23,6 +23,7 @@ from pathlib import Path
 from typing import Any
 
 from helpers import redact, report
+from helpers.audit.diff import unique_labels
 
 SUMMARY = "summary.json"
 INDEX = "index.html"
@@ -261,12 +262,7 @@ def _labels(machines: list[tuple[Path, dict[str, Any]]]) -> list[str]:
     counts = Counter(hosts)
     labels = [host if counts[host] == 1 or host == name else f"{host} ({name})"
               for host, name in zip(hosts, names, strict=True)]
-    seen: Counter[str] = Counter()
-    unique = []
-    for label in labels:
-        seen[label] += 1
-        unique.append(label if seen[label] == 1 else f"{label} #{seen[label]}")
-    return unique
+    return unique_labels(labels, " #")
 
 
 def fleet_page(fleet: dict[str, Any]) -> str:

@@ -207,7 +207,7 @@ class DiffResult(report.ResultMixin):
 
 def diff_machines(machines: Sequence[Machine]) -> DiffResult:
     """Compare machines; ``identical`` is True when no relevant fact differs."""
-    labels = _unique([m.label for m in machines])
+    labels = unique_labels([m.label for m in machines])
     flats = [flatten(m.facts) for m in machines]
     names = sorted({name for flat in flats for name in flat}, key=_fact_order)
     rows, identical = [], True
@@ -262,10 +262,11 @@ def _fact_order(name: str) -> tuple[int, str]:
     return (order.index(head) if head in order else len(order), name)
 
 
-def _unique(labels: list[str]) -> list[str]:
+def unique_labels(labels: list[str], separator: str = "#") -> list[str]:
+    """The labels, a repeated one numbered from its second use: ``a, a#2, a#3``."""
     seen: Counter[str] = Counter()
     unique = []
     for label in labels:
         seen[label] += 1
-        unique.append(label if seen[label] == 1 else f"{label}#{seen[label]}")
+        unique.append(label if seen[label] == 1 else f"{label}{separator}{seen[label]}")
     return unique

@@ -69,19 +69,26 @@ def parse(text: str) -> tuple[dict[str, Any], dict[str, str], list[str]]:
     return facts, provenance, found
 
 
+def _collector() -> tuple[dict[str, Any], Provenance, Any]:
+    """Empty facts, their provenance, and ``put(dotted, value, line)`` that fills both."""
+    facts: dict[str, Any] = {}
+    seen: Provenance = {}
+
+    def put(dotted: str, value: Any, number: int) -> None:
+        _set(facts, dotted, value)
+        seen[dotted] = number
+
+    return facts, seen, put
+
+
 # ---------------------------------------------------------------------------------------------
 # torch.utils.collect_env
 
 
 def parse_collect_env(text: str) -> tuple[dict[str, Any], Provenance]:
     """``python -m torch.utils.collect_env`` output -> (facts, provenance)."""
-    facts: dict[str, Any] = {}
-    seen: Provenance = {}
+    facts, seen, put = _collector()
     lines = [_clean(line) for line in text.splitlines()]
-
-    def put(dotted: str, value: Any, number: int) -> None:
-        _set(facts, dotted, value)
-        seen[dotted] = number
 
     gpu_header = None
     for number, line in enumerate(lines, 1):
@@ -170,13 +177,8 @@ def _pip_packages(lines: list[str]) -> tuple[dict[str, str], int]:
 
 def parse_accelerate_env(text: str) -> tuple[dict[str, Any], Provenance]:
     """``accelerate env`` output -> (facts, provenance)."""
-    facts: dict[str, Any] = {}
-    seen: Provenance = {}
+    facts, seen, put = _collector()
     lines = [_clean(line) for line in text.splitlines()]
-
-    def put(dotted: str, value: Any, number: int) -> None:
-        _set(facts, dotted, value)
-        seen[dotted] = number
 
     config_at = None
     for number, line in enumerate(lines, 1):
