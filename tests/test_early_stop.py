@@ -116,7 +116,8 @@ def test_skipped_broken_run_is_a_note_and_the_outcome_is_ok(tmp_path, leftovers)
     assert isinstance(result, report.Outcome) and result.ok, result.verdict()
     assert result.verdict().startswith(f"PASS: {early_stop.SKIPPED}. fixed loop on 2 ranks")
     data = json.loads(result.save(cfg.results_path).read_text())
-    assert list(data) == ["broken", "fixed"] and data["broken"] is None  # as notebook 05 always wrote
+    # as notebook 05 always wrote, and the one-line headline make report shows
+    assert list(data) == ["broken", "fixed", "headline"] and data["broken"] is None
     assert data["fixed"]["ok"] is True and [r["stopped_at"] for r in data["fixed"]["ranks"]] == [2, 2]
     leftovers.check()
 

@@ -88,7 +88,7 @@ def test_the_result_is_notebook_03s_outcome(tmp_path, leftovers):
     assert result.save(cfg.results_path) == path and result.save("") is None
     data = json.loads(path.read_text())
     assert list(data) == ["ok", "world_size", "backend", "device", "checks", "bandwidth", "ranks",
-                          "seconds", "launcher", "error"]  # the keys notebook 03 has always written
+                          "seconds", "launcher", "error", "headline"]  # notebook 03's keys, + headline
     assert data["ok"] is True and data["world_size"] == 2 and data["error"] is None
     leftovers.check()
 

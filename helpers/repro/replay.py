@@ -137,11 +137,11 @@ def _from_attach(path: Path) -> Recording:
     try:
         data = json.loads(path.read_text())
     except (OSError, UnicodeDecodeError, ValueError) as exc:
-        raise ValueError(f"from_trace: {path} is not JSON: {exc}") from None
+        raise ValueError(f"from_trace: {path} is a file but not JSON: {exc}") from None
     stacks = data.get("stacks") if isinstance(data, dict) else None
     if not isinstance(stacks, dict) or not isinstance(data.get("per_rank"), list):
-        raise ValueError(f"from_trace: {path} is not the JSON of `python -m helpers doctor --attach` "
-                         "(no 'stacks'); give a folder kept with --keep, or a folder of dumps")
+        raise ValueError(f"from_trace: {path} is a file but not the JSON of `python -m helpers doctor "
+                         "--attach` (no 'stacks'); give a folder kept with --keep, or a folder of dumps")
     count = len(data["per_rank"])
     missing = sorted(set(range(count)) - {int(rank) for rank in stacks})
     if missing:
