@@ -296,3 +296,24 @@ def test_accelerates_own_data_loop_script_hangs_where_it_does(tmp_path):
         assert diagnosis.per_rank[1].location == f"{script.name}:{barrier}"
     finally:
         procs.stop_tree(agent)
+
+
+def test_attach_to_an_accelerate_launch_agent(tmp_path):
+    # accelerate launch runs torch's elastic agent inside its own process: the ranks are its children
+    script = tmp_path / "hang_job.py"
+    script.write_text(HANG)
+    env = {**os.environ, "READY_DIR": str(tmp_path), "CULPRIT": "0", "TMPDIR": str(tmp_path)}
+    agent = subprocess.Popen([sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu",
+                              "--num_processes", "2", "--num_machines", "1", "--main_process_port",
+                              str(procs.free_port()), str(script)], cwd=tmp_path, env=env,
+                             stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        deadline = time.monotonic() + START_S
+        while len(list(tmp_path.glob("ready-*"))) < 2:
+            assert time.monotonic() < deadline and agent.poll() is None, "the ranks did not start"
+            time.sleep(0.1)
+        [found] = doctor.attach(str(agent.pid))
+        assert (found.diagnosis.kind, found.diagnosis.ranks) == ("rank-missing", [0]), found.text()
+        assert found.diagnosis.per_rank[1].location == f"{script.name}:{_line('barrier')}"
+    finally:
+        procs.stop_tree(agent)
