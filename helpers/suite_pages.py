@@ -83,6 +83,11 @@ def _badge(ok: bool, text: str | None = None) -> str:
     return f"<span class='verdict {'ok' if ok else 'bad'}'>{label}</span>"
 
 
+def _heading(ok: bool, verdict: str) -> str:
+    """The page's title line: a healthy/problems badge and the verdict."""
+    return f"<h1>{_badge(ok, 'healthy' if ok else 'problems')} {html.escape(verdict)}</h1>"
+
+
 def _link(href: str | None, text: str) -> str:
     if not href:
         return ""
@@ -109,7 +114,7 @@ def landing_page(summary: dict[str, Any]) -> str:
     verdict = (f"All {len(runs)} notebooks passed" if not failed
                else f"{len(failed)} of {len(runs)} notebooks failed")
     host = machine_label(machine, "this machine (anonymised)" if anonymize else "this machine")
-    parts = [f"<h1>{_badge(not failed, 'healthy' if not failed else 'problems')} {html.escape(verdict)}</h1>",
+    parts = [_heading(not failed, verdict),
              f"<p class='sub'>{_clean(host, anonymize)} &middot; report started "
              f"{_clean(summary.get('started'))}"
              + (f" &middot; {float(summary['seconds']):.0f} s in all" if summary.get("seconds") else "")
@@ -272,38 +277,42 @@ def fleet_page(fleet: dict[str, Any]) -> str:
     verdict = (f"All {len(entries)} machines passed every notebook" if not failed
                else f"{len(failed)} of {len(entries)} machines failed a notebook")
     head = "".join(f"<th>{html.escape(name)}</th>" for name in columns)
-    rows = []
-    for entry in entries:
-        by_name = {run["name"]: run for run in entry["notebooks"]}
-        machine = entry["machine"]
-        anonymize = bool(machine.get("anonymized"))
-        cells = []
-        for name in columns:
-            run = by_name.get(name)
-            if run is None:
-                cells.append("<td><small>not run</small></td>")
-                continue
-            text = run.get("headline") or ("" if run.get("ok") else run.get("error") or "failed")
-            link = _link(f"{entry['link']}/{run['html']}", "open") if run.get("html") else ""
-            cells.append(f"<td class='{'cellok' if run.get('ok') else 'cellbad'}'>"
-                         f"{'' if run.get('ok') else _badge(False) + ' '}{_clean(text, anonymize)} "
-                         f"<small>{link}</small></td>")
-        about = (f"{_clean(machine.get('gpus') or 'GPUs unknown')}<br><small>torch "
-                 f"{_clean(machine.get('torch'))} &middot; accelerate "
-                 f"{_clean(machine.get('accelerate'))}</small>")
-        if entry.get("parameters"):
-            given = ", ".join(f"{k}={v}" for k, v in entry["parameters"].items())
-            about += f"<br><small>-p {_clean(given, anonymize)}</small>"
-        rows.append(f"<tr class='{'' if entry['ok'] else 'failed'}'><td class='name'>{_badge(entry['ok'])} "
-                    f"<b>{_link(entry['link'] + '/' + INDEX, entry['label'])}</b><br>{about}</td>"
-                    f"{''.join(cells)}</tr>")
-    parts = [f"<h1>{_badge(not failed, 'healthy' if not failed else 'problems')} {html.escape(verdict)}</h1>",
+    rows = [_fleet_row(entry, columns) for entry in entries]
+    parts = [_heading(not failed, verdict),
              f"<p class='sub'>{len(entries)} report folders combined "
              f"{html.escape(str(fleet.get('combined', '')))}</p>",
              f"<h2>Machines</h2><table class='fleet'><thead><tr><th>machine</th>{head}</tr></thead>"
              f"<tbody>{''.join(rows)}</tbody></table>",
              "<h2>Differences between machines (environment audit)</h2>", _differences_html(fleet)]
     return _document(verdict, "".join(parts))
+
+
+def _fleet_row(entry: dict[str, Any], columns: list[str]) -> str:
+    """One machine's row: its name, GPUs, versions and parameters, then a cell per notebook."""
+    by_name = {run["name"]: run for run in entry["notebooks"]}
+    machine = entry["machine"]
+    anonymize = bool(machine.get("anonymized"))
+    cells = [_fleet_cell(entry, by_name.get(name), anonymize) for name in columns]
+    about = (f"{_clean(machine.get('gpus') or 'GPUs unknown')}<br><small>torch "
+             f"{_clean(machine.get('torch'))} &middot; accelerate "
+             f"{_clean(machine.get('accelerate'))}</small>")
+    if entry.get("parameters"):
+        given = ", ".join(f"{k}={v}" for k, v in entry["parameters"].items())
+        about += f"<br><small>-p {_clean(given, anonymize)}</small>"
+    return (f"<tr class='{'' if entry['ok'] else 'failed'}'><td class='name'>{_badge(entry['ok'])} "
+            f"<b>{_link(entry['link'] + '/' + INDEX, entry['label'])}</b><br>{about}</td>"
+            f"{''.join(cells)}</tr>")
+
+
+def _fleet_cell(entry: dict[str, Any], run: dict[str, Any] | None, anonymize: bool) -> str:
+    """One notebook's cell of a machine's row: its headline (or error) and a link."""
+    if run is None:
+        return "<td><small>not run</small></td>"
+    text = run.get("headline") or ("" if run.get("ok") else run.get("error") or "failed")
+    link = _link(f"{entry['link']}/{run['html']}", "open") if run.get("html") else ""
+    return (f"<td class='{'cellok' if run.get('ok') else 'cellbad'}'>"
+            f"{'' if run.get('ok') else _badge(False) + ' '}{_clean(text, anonymize)} "
+            f"<small>{link}</small></td>")
 
 
 def _differences_html(fleet: dict[str, Any]) -> str:

@@ -20,6 +20,7 @@ On a cluster, attach on every node (``srun --overlap ... --attach auto --json no
 from __future__ import annotations
 
 import json
+import os
 import shutil
 import socket
 import subprocess
@@ -132,7 +133,8 @@ def find_ranks(target: str) -> list[RankProcess]:
     own = _as_rank(process)
     if own is not None:
         return [rank for rank in _all_ranks() if rank.job == own.job]
-    below = [rank for rank in _all_ranks() if rank.pid in _descendants(process)]
+    descendants = _descendants(process)
+    below = [rank for rank in _all_ranks() if rank.pid in descendants]
     if below:
         jobs = {rank.job for rank in below}
         return [rank for rank in below if rank.job == sorted(jobs)[0]]
@@ -164,7 +166,7 @@ def _as_rank(process: Any) -> RankProcess | None:
         cmdline = " ".join(process.cmdline())
     except (psutil.AccessDenied, psutil.NoSuchProcess, psutil.ZombieProcess, OSError):
         return None
-    if "RANK" not in env or "WORLD_SIZE" not in env or process.pid == _self_pid():
+    if "RANK" not in env or "WORLD_SIZE" not in env or process.pid == os.getpid():
         return None
     try:
         rank, world = int(env["RANK"]), int(env["WORLD_SIZE"])
@@ -174,12 +176,6 @@ def _as_rank(process: Any) -> RankProcess | None:
     job = f"{run_id}@{addr}:{port}"
     return RankProcess(process.pid, rank, world, _int(env.get("LOCAL_RANK")), _int(env.get("GROUP_RANK")),
                        job, cmdline)
-
-
-def _self_pid() -> int:
-    import os
-
-    return os.getpid()
 
 
 def _int(text: str | None) -> int | None:
@@ -365,7 +361,7 @@ def merge(paths: list[str | Path]) -> Attached:
                 raise AttachError(f"merge: rank {rank} appears twice ({path} and an earlier file)")
             stacks[int(rank)] = frames
     world, native = worlds.pop(), all(part.get("native") for part in parts)
-    ranks = [RankProcess(pid, int(rank), world, None, None, part.get("job", "?"), part.get("host", "?"))
+    ranks = [RankProcess(pid, int(rank), world, None, None, part.get("job", "?"), "")
              for part in parts for rank, pid in (part.get("pids") or {}).items()]
     hosts = ", ".join(sorted({str(part.get("host", "?")) for part in parts}))
     return Attached(diagnose_stacks(stacks, world, native), hosts, world, parts[0].get("job", "?"),
