@@ -65,6 +65,9 @@ SPECS: dict[str, Spec] = {
     "timeout_s": Spec("float", "deadline for the whole run, seconds", 0, 86400, low_open=True),
     "stall_s": Spec("float", "seconds a rank may wait in one collective before it counts as a hang",
                     0, 3600, low_open=True),
+    "on_hang": Spec("choice", "after a diagnosis inside a job: end every rank with the doctor's exit "
+                              "code, or report and leave the job to torch's timeout",
+                    choices=("stop", "report")),
     "results_path": Spec("path", "where to write the notebook's result JSON ('' = do not write)"),
     # environment audit (notebook 01)
     "report_dir": Spec("path", "folder for the audit report (audit.json, audit.html)",

@@ -25,14 +25,15 @@ KILL_GRACE_S = 2.0
 _PR_SET_PDEATHSIG = 1
 
 
-def set_parent_death_signal(parent_pid: int) -> None:
-    """Die (SIGKILL) with the parent, Linux's PR_SET_PDEATHSIG. If the parent already died, die now.
+def set_parent_death_signal(parent_pid: int, sig: int = signal.SIGKILL) -> None:
+    """Get ``sig`` (SIGKILL) when the parent dies, Linux's PR_SET_PDEATHSIG. If the parent already
+    died, die now.
 
     Call it in the child: a forked rank, or a started program that knows its parent's pid.
     """
     try:
         libc = ctypes.CDLL(None, use_errno=True)
-        libc.prctl(_PR_SET_PDEATHSIG, int(signal.SIGKILL), 0, 0, 0)
+        libc.prctl(_PR_SET_PDEATHSIG, int(sig), 0, 0, 0)
     except (OSError, AttributeError):
         return
     if os.getppid() != parent_pid:
@@ -111,21 +112,66 @@ def run_process(argv: list[str], timeout_s: float, env: dict[str, str] | None = 
     The child dies with the caller (PR_SET_PDEATHSIG). Past ``timeout_s``, or on KeyboardInterrupt
     (re-raised), the child and every descendant are stopped (``stop_tree``).
     """
-    started = time.monotonic()
-    with tempfile.TemporaryFile() as sink:
-        proc = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=sink, stderr=subprocess.STDOUT,
-                                env=env, cwd=cwd, preexec_fn=death_signal_preexec())
-        code: int | None = None
+    [(code, output, seconds)] = run_processes([argv], timeout_s, env, [cwd])
+    return code, output, seconds
+
+
+def run_processes(argvs: list[list[str]], timeout_s: float, env: dict[str, str] | None = None,
+                  cwds: list[str | Path | None] | None = None) -> list[tuple[int | None, str, float]]:
+    """Run several programs at once (one job's agents, one per node); each as ``run_process``:
+    (exit code or None past the shared deadline, output, seconds until it ended)."""
+    return Started(argvs, env, cwds).wait(timeout_s)
+
+
+class Started:
+    """Programs started together, each dying with the caller, their output kept in temp files."""
+
+    def __init__(self, argvs: list[list[str]], env: dict[str, str] | None = None,
+                 cwds: list[str | Path | None] | None = None):
+        self.started = time.monotonic()
+        self.sinks = [tempfile.TemporaryFile() for _ in argvs]
+        self.procs: list[subprocess.Popen] = []
         try:
-            code = proc.wait(timeout=timeout_s)
-        except subprocess.TimeoutExpired:
-            pass
+            for argv, cwd, sink in zip(argvs, cwds or [None] * len(argvs), self.sinks, strict=True):
+                self.procs.append(subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=sink,
+                                                   stderr=subprocess.STDOUT, env=env, cwd=cwd,
+                                                   preexec_fn=death_signal_preexec()))
+        except BaseException:
+            self._finish({})
+            raise
+
+    def wait(self, timeout_s: float) -> list[tuple[int | None, str, float]]:
+        """Wait until all ended or ``timeout_s`` (from the start) passed; stop the rest with their
+        trees (also on KeyboardInterrupt, re-raised). (exit code or None, output, seconds) each."""
+        ended: dict[int, tuple[int | None, float]] = {}
+        try:
+            deadline = self.started + timeout_s
+            while len(ended) < len(self.procs) and time.monotonic() < deadline:
+                for index, proc in enumerate(self.procs):
+                    if index not in ended and proc.poll() is not None:
+                        ended[index] = (proc.returncode, time.monotonic() - self.started)
+                running = [p for i, p in enumerate(self.procs) if i not in ended]
+                if running:
+                    try:  # a bounded wait on one that runs; the others are polled again after it
+                        running[0].wait(timeout=0.05)
+                    except subprocess.TimeoutExpired:
+                        pass
         finally:
-            if code is None:  # still running (deadline, Ctrl-C): never after a wait reaped it
+            outputs = self._finish(ended)
+        now = time.monotonic() - self.started
+        return [(ended[i][0] if i in ended else None, outputs[i], round(ended.get(i, (None, now))[1], 3))
+                for i in range(len(self.procs))]
+
+    def _finish(self, ended: dict[int, Any]) -> list[str]:
+        for index, proc in enumerate(self.procs):
+            if index not in ended:  # still running (deadline, Ctrl-C): never after a wait reaped it
                 stop_tree(proc)
-        sink.seek(0)
-        output = sink.read().decode("utf-8", errors="replace")
-    return code, output, round(time.monotonic() - started, 3)
+        outputs = []
+        for sink in self.sinks:
+            sink.seek(0)
+            outputs.append(sink.read().decode("utf-8", errors="replace"))
+            sink.close()
+        return outputs
 
 
 def python_env(extra: dict[str, str] | None = None) -> dict[str, str]:

@@ -96,6 +96,12 @@ def clear_record(folder: str | Path) -> None:
             path.unlink()
 
 
+def clear_rank_record(folder: str | Path, rank: int) -> None:
+    """Remove one rank's previous records from ``folder`` (its trace, state and stacks)."""
+    for path in (trace_path(folder, rank), state_path(folder, rank), stack_path(folder, rank)):
+        Path(path).unlink(missing_ok=True)
+
+
 @dataclass
 class RankOutcome:
     """How one rank ended: its return value, or the exception it raised (type, message, traceback).

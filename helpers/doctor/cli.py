@@ -1,4 +1,5 @@
-"""``python -m helpers doctor``: run a script under the doctor, attach to a running job, or read dumps.
+"""``python -m helpers doctor``: run a script under the doctor, attach to a running job, or read dumps;
+``python -m helpers.doctor``: the doctor inside a job (``module_main``).
 
 - ``--num-processes N [...] -- script.py [args]``: run it on N local ranks and explain any hang;
 - ``--attach PID|auto [--native]``: a job started without us (torchrun, accelerate launch, srun),
@@ -12,6 +13,7 @@ Exit 0 ok, 3 hang, 4 crash, 5 mismatch; 2 bad usage (one message naming the argu
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from pathlib import Path
 
@@ -109,3 +111,80 @@ def _command_problem(command: list[str]) -> str | None:
     if command[0].endswith(".py") and not Path(command[0]).is_file():
         return f"command: script {command[0]!r} not found"
     return None
+
+
+# ---------------------------------------------------------------------------------------------
+# python -m helpers.doctor [options] train.py [args]: inside a job, or on N local ranks
+
+MODULE_USAGE = ("usage: torchrun <its flags> -m helpers.doctor [--stall-s S] [--json PATH] [--keep DIR] "
+                "[--on-hang stop|report] train.py [args]\n"
+                "       (also under accelerate launch, and srun ... torchrun)\n"
+                "       python -m helpers.doctor --num-processes N [options] train.py [args]")
+DASHES = "after '--'"
+_VALUED = {"--stall-s", "--json", "--keep", "--on-hang", "--num-processes", "--timeout-s"}
+
+
+def module_main(argv: list[str]) -> int:
+    """``python -m helpers.doctor``: watch this rank of a launcher's job (never returns then), or run
+    the script on ``--num-processes N`` local ranks like ``python -m helpers doctor``."""
+    from helpers.doctor.job import JobEnv, JobOptions, run_rank
+
+    options, command = split_command(argv)
+    args = cli.parse(_module_parser(), options)
+    if isinstance(args, int):
+        return args
+    problem = _command_problem(command)
+    if problem:
+        return cli.usage_error(f"{problem.replace(DASHES, 'after the options')}\n{MODULE_USAGE}")
+    job = JobEnv.from_environ(os.environ)
+    if args.num_processes is not None:
+        if job is not None:
+            return cli.usage_error("num_processes: this runs under a launcher (RANK, WORLD_SIZE, "
+                                   "MASTER_ADDR, MASTER_PORT are set), which starts the ranks; "
+                                   "drop --num-processes")
+        local = ["--num-processes", str(args.num_processes), "--stall-s", str(args.stall_s),
+                 "--timeout-s", str(args.timeout_s), "--json", args.json, "--keep", args.keep]
+        return cli_main([*local, "--", *command])
+    if job is None:
+        return cli.usage_error("no launcher here (RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT are not set): "
+                               f"run it under torchrun or accelerate launch, or give --num-processes N\n"
+                               f"{MODULE_USAGE}")
+    run_rank(job, JobOptions(stall_s=args.stall_s, json_path=Path(args.json) if args.json else None,
+                             keep_dir=Path(args.keep) if args.keep else None, on_hang=args.on_hang),
+             command)
+
+
+def split_command(argv: list[str]) -> tuple[list[str], list[str]]:
+    """The doctor's options, and the command from the script (or ``-m module``) on."""
+    index = 0
+    while index < len(argv):
+        token = argv[index]
+        if token == "--":
+            return argv[:index], argv[index + 1:]
+        if token == "-m" or not token.startswith("-"):
+            return argv[:index], argv[index:]
+        index += 2 if token in _VALUED else 1
+    return argv, []
+
+
+def _module_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="python -m helpers.doctor",
+        usage=MODULE_USAGE.removeprefix("usage: "),
+        description="The hang doctor inside a job: under torchrun, accelerate launch or srun ... torchrun, "
+                    "every rank runs the script traced, with a watchdog that talks through the job's own "
+                    "c10d store; the lowest live rank names the rank, the collective and the line "
+                    "stall_s seconds after the job stops making progress, and ends the job.",
+        epilog="Exit: the script's own code; 3 hang, 4 crash, 5 mismatch when the doctor ends the job; "
+               "2 bad usage.")
+    cli.add_param(parser, "stall_s", DEFAULT_STALL_S)
+    parser.add_argument("--json", default="", type=cli.path_arg,
+                        help="the leading rank writes the diagnosis as JSON here (relative to its "
+                             "working folder; on a cluster, shared storage)")
+    parser.add_argument("--keep", default="", type=cli.path_arg,
+                        help="each rank keeps its trace and state in this folder (and the leader the "
+                             "diagnosis), for repro --from-trace")
+    cli.add_param(parser, "on_hang", "stop")
+    cli.add_param(parser, "num_processes", None)
+    cli.add_param(parser, "timeout_s", 3600.0)
+    return parser

@@ -236,7 +236,13 @@ def position(view: RankView) -> Position:
     pos.state, pos.exit_code, pos.abnormal = "exited", view.exit_code, True
     error = exit_record.get("error")
     failed = _failed_op(view) or _failed_inside(view, error)
-    if failed is not None:
+    if exit_record.get("status") == "stopped":  # its launcher stopped it: an echo, not a cause,
+        pos.victim = not exit_record.get("orphaned")  # unless its launcher died (a lost node)
+        pos.detail = f"stopped: {exit_record.get('by') or describe_exit(view.exit_code)}"
+        if pos.where is None:
+            last = next((op for op in reversed(view.python_ops()) if op.where), None)
+            pos.where, pos.file, pos.line = (last.where, last.file, last.line) if last else (None,) * 3
+    elif failed is not None:
         pos.op, pos.victim = failed, True
         pos.where, pos.file, pos.line = failed.where, failed.file, failed.line
         pos.seq = failed.seq if pos.seq is None else pos.seq
@@ -249,6 +255,8 @@ def position(view: RankView) -> Position:
     else:
         known = view.exit_code is not None
         pos.detail = describe_exit(view.exit_code) if known else "ended (no exit recorded)"
+        if exit_record.get("status") == "vanished":  # gone, never said how (the doctor in a job)
+            pos.detail = "killed: no exception and no exit code, e.g. SIGKILL"
         if not any(not op.async_ for op in view.open.values()):
             pos.op = pos.seq = None  # its last progress note may be stale: do not guess an op
         last = next((op for op in reversed(view.python_ops()) if op.where), None)

@@ -158,13 +158,22 @@ def read_new_records(view: RankView, path: Path) -> None:
             data = handle.read()
     except FileNotFoundError:
         return
+    fold(view, data)
+
+
+def fold(view: RankView, data: bytes) -> list[dict[str, Any]]:
+    """Fold newly appended trace bytes into ``view``; returns the complete records read."""
     view.offset += len(data)
     *lines, view.partial = (view.partial + data).split(b"\n")
+    records = []
     for line in lines:
         try:
-            view.apply(json.loads(line))
+            record = json.loads(line)
+            view.apply(record)
         except (ValueError, KeyError, TypeError):
             continue
+        records.append(record)
+    return records
 
 
 def fr_op(entry: dict[str, Any]) -> Op:

@@ -182,6 +182,19 @@ def run_command_rank(argv: list[str], traced: bool) -> NoReturn:
 
 def _run_as_main(argv: list[str], run_dir: Path, rank: int) -> int:
     """Run the script or module as ``__main__``; record how it ended; return its exit code."""
+    code, error = run_as_main(argv)
+    if error is not None:
+        formatted = "".join(traceback.format_exception(error))
+        rundir.RankOutcome.failure(error, formatted).write(rundir.result_path(run_dir, rank))
+        raise error
+    if code == 0:
+        rundir.RankOutcome(True, 0).write(rundir.result_path(run_dir, rank))
+    return code
+
+
+def run_as_main(argv: list[str]) -> tuple[int, BaseException | None]:
+    """Run ``script.py args`` (or ``-m module args``) as ``__main__`` and tell the tracer how it
+    ended (``trace.finish``). Returns the exit code, and the exception that escaped (code 1)."""
     import runpy
 
     module = argv[0] == "-m"
@@ -189,7 +202,6 @@ def _run_as_main(argv: list[str], run_dir: Path, rank: int) -> int:
     sys.argv = argv[1:] if module else list(argv)
     if not module:
         sys.path[0] = os.path.dirname(os.path.abspath(target))
-    code = 0
     try:
         if module:
             runpy.run_module(target, run_name="__main__", alter_sys=True)
@@ -199,13 +211,11 @@ def _run_as_main(argv: list[str], run_dir: Path, rank: int) -> int:
     except SystemExit as exc:
         code = _exit_code(exc.code)
         trace.finish("finished" if code == 0 else "exited")
-    except BaseException as exc:
+        return code, None
+    except BaseException as exc:  # noqa: BLE001 - the caller re-raises it
         trace.finish("raised", exc)
-        rundir.RankOutcome.failure(exc, traceback.format_exc()).write(rundir.result_path(run_dir, rank))
-        raise
-    if code == 0:
-        rundir.RankOutcome(True, 0).write(rundir.result_path(run_dir, rank))
-    return code
+        return 1, exc
+    return 0, None
 
 
 def _exit_code(code: Any) -> int:

@@ -46,28 +46,31 @@ from helpers.trace.helper import (
     flight_recorder,
     flight_recorder_tail,
     group_progress,
+    rank_state,
     write_state,
 )
 from helpers.trace.tracer import Tracer
 
 __all__ = ["FR_BUFFER_SIZE", "FR_TAIL", "POLL_S", "STACKS_REQUEST", "Tracer", "ask", "describe_stack",
            "dump_stacks", "finish", "flight_recorder", "flight_recorder_tail", "group_progress",
-           "install", "is_user_frame", "label", "traceback_site", "user_frame", "write_state"]
+           "install", "is_user_frame", "label", "rank_state", "traceback_site", "user_frame",
+           "write_state"]
 
 FR_BUFFER_SIZE = "256"  # Flight Recorder entries kept per rank (unless the user set a size)
 
 
-def install(run_dir: str | Path, rank: int) -> Tracer:
+def install(run_dir: str | Path | None, rank: int) -> Tracer:
     """Trace this rank's torch.distributed calls into ``run_dir``; call before user code runs.
 
     Also turns on torch's Flight Recorder (unless the user chose a buffer size) and starts the
-    helper thread. Safe to call once per process; returns the tracer.
+    helper thread. ``run_dir`` None (the doctor inside a job): the records stay in memory (the
+    tracer's ``fd``) and no state file is written. Safe to call once per process; returns the tracer.
     """
     if _tracing.current is not None:
         return _tracing.current
     os.environ.setdefault("TORCH_FR_BUFFER_SIZE", os.environ.get("TORCH_NCCL_TRACE_BUFFER_SIZE",
                                                                   FR_BUFFER_SIZE))
-    tracer = Tracer(Path(run_dir), rank)
+    tracer = Tracer(Path(run_dir) if run_dir is not None else None, rank)
     tracer.patch()
     tracer.write({"ev": "hello", "rank": rank, "pid": os.getpid(), "t": time.time()})
     tracer.helper = Helper(tracer)

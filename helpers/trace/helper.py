@@ -96,8 +96,8 @@ class Helper(threading.Thread):
         self.stopping = threading.Event()
         self.wake_read, self.wake_write = os.pipe()  # stop() wakes the select at once
         self.fifo: int | None = None
-        path = rundir.control_path(tracer.run_dir, tracer.rank)
-        if path.exists():
+        path = rundir.control_path(tracer.run_dir, tracer.rank) if tracer.run_dir is not None else None
+        if path is not None and path.exists():
             # read-write, so that the FIFO never reports end-of-file while nobody writes
             self.fifo = os.open(path, os.O_RDWR | os.O_NONBLOCK)
 
@@ -160,17 +160,26 @@ def dump_stacks(tracer: Any) -> None:
     crash the process (SIGSEGV) when one of them runs Python meanwhile (cpython#116008), as this
     helper thread often does; here every other thread is paused outside Python code.
     """
+    if tracer.run_dir is None:
+        return
     with open(rundir.stack_path(tracer.run_dir, tracer.rank), "a") as handle:
         faulthandler.dump_traceback(file=handle, all_threads=True)
 
 
-def write_state(tracer: Any, request: str, extra: dict[str, Any] | None = None) -> None:
-    """Write state-<rank>.json: main thread's stack, Flight Recorder tail, group progress."""
+def rank_state(rank: int, request: str) -> dict[str, Any]:
+    """This rank's state: the main thread's stack, the Flight Recorder tail, group progress."""
     main = threading.main_thread()
     frame = sys._current_frames().get(main.ident) if main.ident is not None else None
-    state = {"request": request, "rank": tracer.rank, "t": time.time(),
-             "stack": describe_stack(frame) if frame is not None else [],
-             "progress": group_progress(), "fr": flight_recorder_tail()}
+    return {"request": request, "rank": rank, "t": time.time(),
+            "stack": describe_stack(frame) if frame is not None else [],
+            "progress": group_progress(), "fr": flight_recorder_tail()}
+
+
+def write_state(tracer: Any, request: str, extra: dict[str, Any] | None = None) -> None:
+    """Write state-<rank>.json (``rank_state``); nothing for a tracer without a folder."""
+    if tracer.run_dir is None:
+        return
+    state = rank_state(tracer.rank, request)
     state.update(extra or {})
     path = rundir.state_path(tracer.run_dir, tracer.rank)
     tmp = path.with_name(path.name + ".tmp")

@@ -28,9 +28,15 @@ from helpers.trace.callsites import site_json, user_frame
 class Tracer:
     """Writes one rank's records; wraps torch.distributed; runs the helper thread."""
 
-    def __init__(self, run_dir: Path, rank: int):
-        self.run_dir, self.rank = Path(run_dir), rank
-        self.fd = os.open(rundir.trace_path(run_dir, rank), os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
+    def __init__(self, run_dir: Path | None, rank: int):
+        """``run_dir`` None: the records go to an anonymous in-memory file (read back through
+        ``fd``), nothing is written to disk and nothing is left if the process is killed."""
+        self.run_dir, self.rank = (Path(run_dir) if run_dir is not None else None), rank
+        if run_dir is None:
+            self.fd = os.memfd_create(f"helpers-trace-{rank}", os.MFD_CLOEXEC)
+        else:
+            self.fd = os.open(rundir.trace_path(run_dir, rank), os.O_WRONLY | os.O_CREAT | os.O_APPEND,
+                              0o600)
         self.ids = itertools.count(1)
         self.helper: Any = None  # helpers.trace.helper.Helper, once started
         self.originals: dict[tuple[Any, str], Callable] = {}

@@ -1,0 +1,197 @@
+"""The job's blackboard: what the doctor's watchdogs tell each other through the job's c10d store.
+
+torchrun's agent (also under ``accelerate launch`` and ``srun ... torchrun``) hosts a TCPStore at
+MASTER_ADDR:MASTER_PORT that outlives the ranks; the ranks' process group uses it too. The doctor
+keeps its keys under ``helpers-doctor/<run id>/<restart>/`` so they never meet torch's::
+
+    roster          "0,1,3,": the ranks whose watchdog started (appended)
+    hb/<rank>       a rank's heartbeat (JSON): a counter, host and pid, where it is, how long it has
+                    waited, its open collectives' records, and how it ended
+    claim           the rank that is diagnosing now
+    req             the leader's request counter; state/<rank>/<n>: a rank's answer to request n
+    verdict         the diagnosis (JSON), once made
+    stop            "<exit code>:<ranks>": every rank ends with that code, once that many know it
+    stopped         how many ranks know the stop
+
+No sockets, servers or files of the doctor's own between nodes. Every call is bounded (the store's
+timeout) and only keys known to exist are read, so no call waits for a key that never comes.
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+PREFIX = "helpers-doctor"
+STORE_TIMEOUT_S = 5.0  # any one store call
+SILENT_S = 3.0  # a heartbeat unchanged this long: that rank's Python does not answer (or it died)
+
+
+@dataclass
+class Seen:
+    """One rank's heartbeat as this rank last read it, and when (this machine's clock) it changed."""
+
+    beat: dict[str, Any]
+    changed: float = field(default_factory=time.monotonic)
+
+    def age(self) -> float:
+        """Seconds since the heartbeat last changed, on this machine's clock (no clock is shared)."""
+        return time.monotonic() - self.changed
+
+    @property
+    def gone(self) -> bool:
+        """The rank said it is leaving (its last heartbeat)."""
+        return bool(self.beat.get("gone"))
+
+    def fresh(self) -> bool:
+        """Its watchdog still ticks: it can lead, answer and act on a stop."""
+        return not self.gone and self.age() < SILENT_S
+
+
+class Board:
+    """The doctor's keys in the job's store, for one rank."""
+
+    def __init__(self, store: Any, rank: int):
+        self.store, self.rank = store, rank
+        self.seen: dict[int, Seen] = {}
+
+    @classmethod
+    def connect(cls, host: str, port: int, run_id: str, restart: str, rank: int,
+                timeout_s: float = STORE_TIMEOUT_S) -> Board:
+        """A client of the job's store under the doctor's prefix (raises when it cannot connect)."""
+        import torch.distributed as dist
+
+        store = dist.TCPStore(host, port, is_master=False, wait_for_workers=False,
+                              timeout=datetime.timedelta(seconds=timeout_s))
+        return cls(dist.PrefixStore(f"{PREFIX}/{run_id}/{restart}/", store), rank)
+
+    # -- heartbeats -------------------------------------------------------------------------
+
+    def join(self, heartbeat: dict[str, Any]) -> None:
+        """Post the first heartbeat, then put this rank on the roster (so every rank on the roster has
+        a heartbeat to read)."""
+        self.beat(heartbeat)
+        self.store.append("roster", f"{self.rank},")
+
+    def roster(self) -> list[int]:
+        """The ranks whose watchdog started, sorted."""
+        text = self.store.get("roster").decode()
+        return sorted({int(part) for part in text.split(",") if part})
+
+    def beat(self, heartbeat: dict[str, Any]) -> None:
+        """Post this rank's heartbeat."""
+        self.store.set(f"hb/{self.rank}", json.dumps(heartbeat, separators=(",", ":"), default=str))
+
+    def read_beats(self, ranks: list[int]) -> dict[int, Seen]:
+        """Read the heartbeats of ``ranks`` (on the roster); note which changed since last read."""
+        if not ranks:
+            return {}
+        values = self.store.multi_get([f"hb/{rank}" for rank in ranks])
+        for rank, value in zip(ranks, values, strict=True):
+            try:
+                beat = json.loads(value)
+            except ValueError:
+                continue
+            known = self.seen.get(rank)
+            if known is None or known.beat.get("n") != beat.get("n"):
+                self.seen[rank] = Seen(beat)
+            else:
+                known.beat = beat
+        return {rank: self.seen[rank] for rank in ranks if rank in self.seen}
+
+    def leader(self, roster: list[int]) -> int | None:
+        """The lowest rank whose watchdog still ticks (read from the lowest up, a few at a time).
+
+        This rank counts itself as ticking. Ranks below it are read until one is fresh, so a rank
+        that does not lead reads one heartbeat a tick, however large the job.
+        """
+        below = [rank for rank in roster if rank < self.rank]
+        for start in range(0, len(below), 8):
+            batch = self.read_beats(below[start:start + 8])
+            for rank in below[start:start + 8]:
+                if rank in batch and batch[rank].fresh():
+                    return rank
+        return self.rank
+
+    # -- requests and answers -----------------------------------------------------------------
+
+    def request(self) -> int:
+        """The latest request number (0: none yet)."""
+        return int(self.store.add("req", 0))
+
+    def new_request(self) -> int:
+        """Ask every rank for its state; returns the request number."""
+        return int(self.store.add("req", 1))
+
+    def answer(self, number: int, state: dict[str, Any]) -> None:
+        """Post this rank's state for request ``number``."""
+        self.store.set(f"state/{self.rank}/{number}", json.dumps(state, separators=(",", ":"), default=str))
+
+    def answers(self, number: int, ranks: list[int], wait_s: float) -> dict[int, dict[str, Any]]:
+        """The states posted for request ``number`` by ``ranks``, waiting up to ``wait_s``."""
+        keys = {rank: f"state/{rank}/{number}" for rank in ranks}
+        end = time.monotonic() + wait_s
+        present: list[int] = []
+        while True:
+            present = [rank for rank in ranks if rank in present or self.store.check([keys[rank]])]
+            if len(present) == len(ranks) or time.monotonic() >= end:
+                break
+            time.sleep(0.02)  # polling the store: a bounded wait for other processes
+        found = {}
+        values = self.store.multi_get([keys[rank] for rank in present]) if present else []
+        for rank, value in zip(present, values, strict=True):
+            try:
+                found[rank] = json.loads(value)
+            except ValueError:
+                continue
+        return found
+
+    # -- the verdict and the stop ---------------------------------------------------------------
+
+    def claim(self) -> bool:
+        """Become the rank that diagnoses, unless a rank that still ticks already is."""
+        mine = str(self.rank).encode()
+        held = self.store.compare_set("claim", "", mine)
+        if held == mine:
+            return True
+        holder = int(held.decode())
+        seen = self.seen.get(holder)
+        if seen is not None and not seen.fresh():  # it stopped ticking while diagnosing: take over
+            return self.store.compare_set("claim", held, mine) == mine
+        return False
+
+    def verdict(self) -> dict[str, Any] | None:
+        """The diagnosis some rank posted, if any."""
+        if not self.store.check(["verdict"]):
+            return None
+        return json.loads(self.store.get("verdict"))
+
+    def post_verdict(self, data: dict[str, Any]) -> None:
+        """Tell every rank the diagnosis (written to --json first)."""
+        self.store.set("verdict", json.dumps(data, default=str))
+
+    def stop(self) -> tuple[int, int] | None:
+        """The leader's stop, if it asked: (exit code, how many ranks it expects to end)."""
+        if not self.store.check(["stop"]):
+            return None
+        code, expected = self.store.get("stop").decode().split(":")
+        return int(code), int(expected)
+
+    def post_stop(self, code: int, expected: int) -> None:
+        """Ask every rank to end with ``code``; ``expected`` ranks still tick and will."""
+        self.store.set("stop", f"{code}:{expected}")
+
+    def stopping(self, expected: int, wait_s: float) -> bool:
+        """Count this rank as ending on the stop, and wait (at most ``wait_s``) until the ``expected``
+        ranks have: nobody leaves before every rank knows, since the first rank to leave makes its
+        agent stop the others, and the agent that hosts the store takes it along. False: some
+        rank never counted itself (its Python does not run)."""
+        end = time.monotonic() + wait_s
+        count = int(self.store.add("stopped", 1))
+        while count < expected and time.monotonic() < end:
+            time.sleep(0.02)  # polling the store: a bounded wait for other processes
+            count = int(self.store.add("stopped", 0))
+        return count >= expected
