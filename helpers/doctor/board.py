@@ -9,8 +9,8 @@ keeps its keys under ``helpers-doctor/<run id>/<restart>/`` so they never meet t
                     waited, its open collectives' records, and how it ended
     claim           the rank that is diagnosing now
     req             the leader's request counter; state/<rank>/<n>: a rank's answer to request n
-    verdict         the diagnosis (JSON), once made
-    stop            "<exit code>:<ranks>": every rank ends with that code, once that many know it
+    verdict         the diagnosis (JSON), once made, and the stop: every rank ends with that exit
+                    code, once all that still tick know it
     stopped         how many ranks know the stop
 
 No sockets, servers or files of the doctor's own between nodes. Every call is bounded (the store's
@@ -22,6 +22,7 @@ from __future__ import annotations
 import datetime
 import json
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -102,17 +103,18 @@ class Board:
                 known.beat = beat
         return {rank: self.seen[rank] for rank in ranks if rank in self.seen}
 
-    def leader(self, roster: list[int]) -> int | None:
+    def leader(self, roster: list[int], dead: Callable[[Seen], bool] = lambda seen: False) -> int:
         """The lowest rank whose watchdog still ticks (read from the lowest up, a few at a time).
 
-        This rank counts itself as ticking. Ranks below it are read until one is fresh, so a rank
-        that does not lead reads one heartbeat a tick, however large the job.
+        This rank counts itself as ticking; ``dead`` says a rank is known gone (its process no
+        longer exists). Ranks below it are read until one is fresh, so a rank that does not lead
+        reads one heartbeat a tick, however large the job.
         """
         below = [rank for rank in roster if rank < self.rank]
         for start in range(0, len(below), 8):
             batch = self.read_beats(below[start:start + 8])
             for rank in below[start:start + 8]:
-                if rank in batch and batch[rank].fresh():
+                if rank in batch and batch[rank].fresh() and not dead(batch[rank]):
                     return rank
         return self.rank
 
@@ -163,26 +165,19 @@ class Board:
             return self.store.compare_set("claim", held, mine) == mine
         return False
 
-    def verdict(self) -> dict[str, Any] | None:
-        """The diagnosis some rank posted, if any."""
+    def verdict(self) -> tuple[dict[str, Any], tuple[int, int] | None] | None:
+        """The diagnosis some rank posted, and its stop: (exit code, how many ranks will end), or
+        None when the job is left running; None before any verdict."""
         if not self.store.check(["verdict"]):
             return None
-        return json.loads(self.store.get("verdict"))
+        posted = json.loads(self.store.get("verdict"))
+        stop = posted.get("stop")
+        return posted["diagnosis"], (tuple(stop) if stop else None)
 
-    def post_verdict(self, data: dict[str, Any]) -> None:
-        """Tell every rank the diagnosis (written to --json first)."""
-        self.store.set("verdict", json.dumps(data, default=str))
-
-    def stop(self) -> tuple[int, int] | None:
-        """The leader's stop, if it asked: (exit code, how many ranks it expects to end)."""
-        if not self.store.check(["stop"]):
-            return None
-        code, expected = self.store.get("stop").decode().split(":")
-        return int(code), int(expected)
-
-    def post_stop(self, code: int, expected: int) -> None:
-        """Ask every rank to end with ``code``; ``expected`` ranks still tick and will."""
-        self.store.set("stop", f"{code}:{expected}")
+    def post_verdict(self, data: dict[str, Any], stop: tuple[int, int] | None) -> None:
+        """Tell every rank the diagnosis (already written to --json) and, with one key so that no
+        rank sees one without the other, the stop: every rank ends with that exit code."""
+        self.store.set("verdict", json.dumps({"diagnosis": data, "stop": stop}, default=str))
 
     def stopping(self, expected: int, wait_s: float) -> bool:
         """Count this rank as ending on the stop, and wait (at most ``wait_s``) until the ``expected``

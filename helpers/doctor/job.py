@@ -218,19 +218,20 @@ class Watchdog(threading.Thread):
         if self.signalled is not None and self.exit is None:
             self._stopped_by_signal()
         board.beat(self.heartbeat())
-        stop = board.stop()
-        if stop is not None:
-            self._stop(*stop, by_leader=False)
+        if self.verdict is None:
+            posted = board.verdict()
+            if posted is not None:
+                self.verdict, stop = posted
+                if stop is not None:
+                    self._stop(*stop, by_leader=False)
+                self.decided.set()
         number = board.request()
         if number > self.answered:
             board.answer(number, self.state(str(number)))
             self.answered = number
-        if self.verdict is None:
-            self.verdict = board.verdict()
-            if self.verdict is not None:
-                self.decided.set()
         roster = board.roster()
-        if board.leader(roster) == self.job.rank and self.verdict is None:
+        leader = board.leader(roster, lambda seen: _dead(seen, self.host))
+        if leader == self.job.rank and self.verdict is None:
             self._lead(roster)
         if self.signalled is not None and (self.decided.is_set() or self._linger_over()):
             self._leave_on_signal()
@@ -280,8 +281,10 @@ class Watchdog(threading.Thread):
 
     def code_after_end(self, code: int) -> int:
         """The exit code once the script ended: its own, or the doctor's when a stop is pending."""
+        if self.stop_code is not None:
+            return self.stop_code
         verdict = self.verdict or {}
-        if self.options.on_hang == "stop" and verdict.get("verdict") in ("mismatch",) and code == 0:
+        if self.options.on_hang == "stop" and verdict.get("verdict") == "mismatch" and code == 0:
             return EXIT_CODES["mismatch"]
         return code
 
@@ -327,7 +330,7 @@ class Watchdog(threading.Thread):
         """End this rank with the doctor's exit code (the leader's stop), once every rank knows."""
         self.stop_code = code
         if not by_leader:
-            verdict = self.verdict or self.board.verdict() or {}
+            verdict = self.verdict or {}
             print(f"doctor: rank {self.job.rank} stopped: {verdict.get('verdict', '?')} "
                   f"({verdict.get('kind', '?')}), exit {code}; the leading rank has the diagnosis",
                   file=sys.stderr)
@@ -388,16 +391,17 @@ class Watchdog(threading.Thread):
             report.atomic_write_json(self.options.json_path, data)
         if self.options.keep_dir is not None:
             report.atomic_write_json(rundir.diagnosis_path(self.options.keep_dir), data)
-        self.board.post_verdict(data)
+        finished = diagnosis.evidence.reason == "finished"  # each leaves with its own code (or 5)
+        stop = None
+        if self.options.on_hang == "stop" and not finished:
+            ticking = {rank for rank, seen in self.board.seen.items() if seen.fresh()} | {self.job.rank}
+            stop = (diagnosis.exit_code, len(ticking))
+            self.stop_code = diagnosis.exit_code  # before any rank can leave and take this one along
+        self.board.post_verdict(data, stop)
         self.verdict = data
         self.decided.set()
-        if diagnosis.verdict in ("ok", "mismatch") and diagnosis.evidence.reason == "finished":
-            return  # every rank finished: each leaves with its own code (mismatch: 5, code_after_end)
-        if self.options.on_hang == "stop":
-            ticking = [rank for rank, seen in self.board.seen.items() if seen.fresh()]
-            expected = len(set(ticking) | {self.job.rank})
-            self.board.post_stop(diagnosis.exit_code, expected)
-            self._stop(diagnosis.exit_code, expected, by_leader=True)
+        if stop is not None:
+            self._stop(*stop, by_leader=True)
 
 
 def _main_site() -> dict[str, Any] | None:
@@ -437,7 +441,7 @@ def _trigger(beats: dict[int, Seen], world: int, stall_s: float, host: str) -> t
     """Why the leader should diagnose now, and since when (seconds), or None."""
     ends = {rank: seen.beat.get("exit") or {} for rank, seen in beats.items()}
     for rank, end in ends.items():
-        if end.get("status") in ENDED_BADLY:
+        if end.get("status") in ENDED_BADLY or end.get("orphaned"):  # orphaned: a lost node
             return "failure", (beats[rank].beat.get("ended_ago") or 0.0) + beats[rank].age()
     vanished = {r for end in ends.values() for r in end.get("gone") or []}
     vanished |= {rank for rank, seen in beats.items() if not ends[rank] and _dead(seen, host)}

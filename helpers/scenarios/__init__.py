@@ -8,8 +8,9 @@ under ``helpers.launch``. ``SCENARIOS`` is the one table: what each shows, its v
 parameters, the doctor's expected kind and verdict per launcher, and the culprit ranks.
 
 Launchers: ``launch`` (``helpers.launch`` forks ranks that call ``main``), ``cli``
-(``python -m helpers doctor -- script.py``) and ``torchrun`` (plain torchrun; the doctor reads the
-traces afterwards, the hang ending at torch's process-group timeout instead of at ``stall_s``).
+(``python -m helpers doctor -- script.py``), ``torchrun`` (plain torchrun; the doctor reads the
+traces afterwards, the hang ending at torch's process-group timeout instead of at ``stall_s``) and
+``job`` (``torchrun ... -m helpers.doctor``: the doctor inside the job, two agents over loopback).
 The kind names the first divergence, so it can differ by launcher (see each row's ``notes``).
 Lines marked ``# doctor-line: <name>`` are where the doctor must place a rank (the culprits at
 ``culprit_line``, the others at ``others_line``; a killed rank has no line; a rank that got past
@@ -28,7 +29,7 @@ from pathlib import Path
 from typing import Any
 
 FOLDER = Path(__file__).resolve().parent
-LAUNCHERS = ("launch", "cli", "torchrun")
+LAUNCHERS = ("launch", "cli", "torchrun", "job")
 
 
 @dataclass(frozen=True)

@@ -1,0 +1,259 @@
+"""The doctor inside real jobs: ``torchrun ... -m helpers.doctor train.py`` and ``accelerate launch``,
+two agents over 127.0.0.1 (the commands a two-node cluster runs), each in its own working folder.
+
+Every test runs a real job, culprit on the second node, and checks afterwards that no process of the
+job is left on either "node" (psutil, by the script's unique path) and no temp folder either.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import psutil
+import pytest
+
+from helpers import scenarios
+from helpers.doctor import EXIT_CODES, job, runs
+from helpers.doctor.board import Board
+
+FIXTURE = Path(__file__).parent / "fixtures" / "job" / "job_script.py"
+STALL_S = 4.0
+TIMEOUT_S = 150.0
+KEYS = {"verdict", "kind", "ranks", "summary", "fix", "detected_after_s", "per_rank"}
+
+
+def _line(marker: str) -> str:
+    number = next(n for n, text in enumerate(FIXTURE.read_text().splitlines(), 1)
+                  if f"# doctor-line: {marker}" in text)
+    return f"{FIXTURE.name}:{number}"
+
+
+@pytest.fixture
+def script(tmp_path):
+    """The job's script at a path of its own, so that its processes can be found and counted."""
+    copy = tmp_path / "script" / FIXTURE.name
+    copy.parent.mkdir()
+    shutil.copyfile(FIXTURE, copy)
+    return copy
+
+
+def _left(script: Path) -> list[int]:
+    return [p.pid for p in psutil.process_iter(["cmdline"])
+            if str(script) in " ".join(p.info["cmdline"] or [])]
+
+
+def _run(script: Path, folder: Path, mode: str, culprit: int = 3, launcher: str = "torchrun",
+         **env: str) -> runs.JobRun:
+    outcome = runs.run_job([str(script)], folder, nodes=2, per_node=2, stall_s=STALL_S, timeout_s=TIMEOUT_S,
+                           launcher=launcher, env={"MODE": mode, "CULPRIT": str(culprit), **env})
+    assert all(code is not None for code in outcome.agent_codes), "an agent ran past the deadline"
+    assert not _left(script), "job processes left"
+    return outcome
+
+
+def _json(outcome: runs.JobRun) -> dict:
+    found = [d / runs.JOB_JSON for d in outcome.node_dirs if (d / runs.JOB_JSON).is_file()]
+    assert len(found) == 1, f"one leader writes one JSON: {found}\n{outcome.outputs[0][-3000:]}"
+    data = json.loads(found[0].read_text())
+    assert KEYS <= set(data) and [r["rank"] for r in data["per_rank"]] == [0, 1, 2, 3], data
+    return data
+
+
+def test_a_hang_on_the_second_node_is_named_and_every_rank_ends_with_exit_3(script, tmp_path, leftovers):
+    outcome = _run(script, tmp_path, "hang")
+    data = _json(outcome)
+    assert (data["verdict"], data["kind"], data["ranks"]) == ("hang", "rank-missing", [3]), data
+    assert STALL_S <= data["detected_after_s"] <= STALL_S + 3
+    places = {r["rank"]: (r["state"], r["op"], r["location"]) for r in data["per_rank"]}
+    assert places[3] == ("outside-collective", None, _line("sleep"))
+    assert all(places[rank] == ("in-collective", "barrier", _line("barrier")) for rank in (0, 1, 2))
+    assert (outcome.node_dirs[0] / runs.JOB_JSON).is_file()  # the leader, rank 0, in its own folder
+    assert outcome.rank_codes == {0: 3, 1: 3, 2: 3, 3: 3}, outcome.outputs[0][-2000:]
+    assert "doctor: hang (rank-missing)" in outcome.outputs[0]  # the leader's stderr
+    assert "doctor: rank 3 stopped: hang" in outcome.outputs[1]
+    leftovers.check()
+
+
+def test_a_rank_that_raises_is_diagnosed_before_the_job_is_torn_down(script, tmp_path, leftovers):
+    outcome = _run(script, tmp_path, "raise")
+    data = _json(outcome)
+    assert (data["verdict"], data["kind"], data["ranks"]) == ("crash", "rank-exited", [3]), data
+    culprit = data["per_rank"][3]
+    assert (culprit["state"], culprit["exit_code"], culprit["location"]) == ("exited", 1, _line("raise"))
+    assert "ValueError: a bad batch" in data["summary"]
+    assert outcome.rank_codes == {0: 4, 1: 4, 2: 4, 3: 4}
+    assert "ValueError: a bad batch" in outcome.outputs[1]  # the rank's own traceback is still printed
+    leftovers.check()
+
+
+def test_a_killed_rank_is_named_not_its_echoes(script, tmp_path, leftovers):
+    # SIGKILL (as the OOM killer does): rank 3 says nothing; its agent stops rank 2 with SIGTERM, the
+    # first node's ranks fail with "Connection reset by peer"
+    outcome = _run(script, tmp_path, "kill")
+    data = _json(outcome)
+    assert (data["verdict"], data["kind"], data["ranks"]) == ("crash", "rank-exited", [3]), data
+    assert outcome.rank_codes[3] == -9
+    assert any("rank 3 ended without a word" in note for note in data["notes"]), data["notes"]
+    assert "killed: no exception and no exit code" in data["summary"]
+    leftovers.check()
+
+
+def test_a_dead_leader_hands_over_to_the_next_lowest_live_rank(script, tmp_path, leftovers):
+    # rank 0, the leader, is killed; rank 1 (its agent is stopping it) or rank 2 leads
+    outcome = _run(script, tmp_path, "kill", culprit=0)
+    data = _json(outcome)
+    assert (data["kind"], data["ranks"]) == ("rank-exited", [0]), data
+    assert any("by rank 1" in note or "by rank 2" in note for note in data["notes"]), data["notes"]
+    leftovers.check()
+
+
+def test_a_rank_that_finishes_early_is_named_at_once(script, tmp_path, leftovers):
+    outcome = _run(script, tmp_path, "early")
+    data = _json(outcome)
+    assert (data["kind"], data["ranks"]) == ("rank-exited", [3]), data
+    assert data["per_rank"][3]["state"] == "finished"
+    assert data["detected_after_s"] < STALL_S  # not a stall: rank 3 will never issue the barrier
+    assert set(outcome.rank_codes.values()) == {EXIT_CODES[data["verdict"]]}
+    leftovers.check()
+
+
+def test_a_healthy_job_with_a_late_rank_is_left_alone_and_exits_0(script, tmp_path, leftovers):
+    outcome = _run(script, tmp_path, "late", LATE_S="1.0")  # late, but by less than stall_s
+    assert outcome.agent_codes == [0, 0], outcome.outputs[0][-3000:]
+    data = _json(outcome)
+    assert (data["verdict"], data["kind"]) == ("ok", "ok")
+    assert "doctor: ok" not in outcome.outputs[0]  # a healthy job prints nothing of the doctor's
+    leftovers.check()
+
+
+def test_a_rank_whose_python_cannot_answer_is_named_after_a_bounded_wait(script, tmp_path, leftovers):
+    # native code holding the GIL: the rank's watchdog cannot run; the leader names it from its last
+    # heartbeat, and the rank is killed at the stop (SIGTERM cannot reach its Python either)
+    outcome = _run(script, tmp_path, "gil")
+    data = _json(outcome)
+    assert (data["verdict"], data["kind"], data["ranks"]) == ("hang", "rank-missing", [3]), data
+    assert any("rank 3 did not answer" in note and "GIL" in note for note in data["notes"])
+    assert data["detected_after_s"] <= STALL_S + job.EVIDENCE_WAIT_S + 1
+    assert max(outcome.agent_seconds) < 60  # not torchrun's 30 s SIGTERM grace on top of it
+    leftovers.check()
+
+
+def test_kill_9_of_one_agent_ends_the_job_on_both_nodes(script, tmp_path, leftovers):
+    started = runs.start_job([str(script)], tmp_path, stall_s=30.0, env={"MODE": "hang", "CULPRIT": "3"})
+    try:
+        _wait_for_watchdogs(started, 4)
+        started.agents[1].send_signal(signal.SIGKILL)  # the second node's agent
+    finally:
+        outcome = started.wait(TIMEOUT_S)
+    assert outcome.agent_codes[1] == -9 and outcome.agent_codes[0] is not None
+    assert not _left(script), "the killed agent's ranks must not run on with parent PID 1"
+    data = _json(outcome)
+    # the lost node's ranks are the cause (the one outside any collective first), not node 0's
+    assert data["verdict"] == "crash" and data["ranks"] and set(data["ranks"]) <= {2, 3}, data
+    assert "its agent died" in data["summary"]
+    leftovers.check()
+
+
+def _wait_for_watchdogs(started: runs.Job, world: int) -> None:
+    """Until every rank's watchdog is on the roster in the job's store (read as the ranks read it)."""
+    port = int(started.commands[0][started.commands[0].index("--master-port") + 1])
+    deadline, board = time.monotonic() + TIMEOUT_S, None
+    while True:
+        assert time.monotonic() < deadline and all(a.poll() is None for a in started.agents)
+        try:
+            board = board or Board.connect("127.0.0.1", port, "none", "0", rank=-1, timeout_s=2)
+            if board.store.check(["roster"]) and len(board.roster()) >= world:
+                return
+        except Exception:  # noqa: BLE001 - the agent's store is not up yet
+            board = None
+        time.sleep(0.1)  # polling another process's state, bounded by the deadline
+
+
+def test_under_accelerate_launch_on_two_machines(script, tmp_path, leftovers):
+    outcome = _run(script, tmp_path, "hang", launcher="accelerate")
+    assert outcome.commands[1][:5] == [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu",
+                                       "--num_machines"]
+    data = _json(outcome)
+    assert (data["verdict"], data["kind"], data["ranks"]) == ("hang", "rank-missing", [3]), data
+    assert data["per_rank"][0]["location"] == _line("barrier")
+    leftovers.check()
+
+
+@pytest.mark.parametrize("scenario_id", [s.id for s in scenarios.SCENARIOS])
+def test_the_catalog_under_the_doctor_in_a_job(scenario_id, tmp_path, leftovers):
+    # two nodes of one rank each: the catalog's expectations are for two ranks
+    from tests.test_scenarios import check_diagnosis
+
+    scenario = scenarios.get(scenario_id)
+    outcome = runs.run_job(scenario.command(scenario.variants[0]), tmp_path, nodes=2, per_node=1,
+                           stall_s=2.0, timeout_s=TIMEOUT_S)
+    data = _json_of(outcome)
+    check_diagnosis({key: data[key] for key in KEYS}, scenario, "job", 2, stall_s=2.0)
+    expected_codes = {EXIT_CODES[data["verdict"]]} if data["verdict"] != "ok" else {0}
+    if data["verdict"] != "ok" and scenario.id != "dead-rank":
+        assert set(outcome.rank_codes.values()) <= expected_codes | {-6, -11}, outcome.rank_codes
+    assert all(code is not None for code in outcome.agent_codes)
+    leftovers.check()
+
+
+def _json_of(outcome: runs.JobRun) -> dict:
+    found = [d / runs.JOB_JSON for d in outcome.node_dirs if (d / runs.JOB_JSON).is_file()]
+    assert found, outcome.outputs[0][-3000:] + outcome.outputs[1][-3000:]
+    return json.loads(found[0].read_text())
+
+
+# ---------------------------------------------------------------------------------------------
+# the command line
+
+
+def test_without_a_launcher_it_needs_num_processes(tmp_path):
+    env = {k: v for k, v in __import__("os").environ.items() if k not in ("RANK", "WORLD_SIZE")}
+    done = subprocess.run([sys.executable, "-m", "helpers.doctor", str(FIXTURE)], capture_output=True,
+                          text=True, timeout=60, env=env)
+    assert done.returncode == 2 and "--num-processes" in done.stderr and "torchrun" in done.stderr
+
+
+def test_without_a_launcher_num_processes_runs_the_local_doctor(tmp_path, leftovers):
+    out = tmp_path / "d.json"
+    done = subprocess.run([sys.executable, "-m", "helpers.doctor", "--num-processes", "2", "--stall-s", "2",
+                           "--json", str(out), str(FIXTURE)], capture_output=True, text=True, timeout=120,
+                          env={**__import__("os").environ, "MODE": "hang", "CULPRIT": "1"}, cwd=tmp_path)
+    assert done.returncode == 3, done.stderr[-2000:]
+    data = json.loads(out.read_text())
+    assert (data["kind"], data["ranks"]) == ("rank-missing", [1])
+    leftovers.check()
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--stall-s", "0", "x.py"], "stall_s"),
+    (["--on-hang", "later", "x.py"], "on_hang"),
+    (["--stall-s", "3"], "command"),
+    (["missing.py"], "not found"),
+])
+def test_bad_usage_is_one_message_naming_the_argument(argv, message):
+    done = subprocess.run([sys.executable, "-m", "helpers.doctor", *argv], capture_output=True, text=True,
+                          timeout=60)
+    assert done.returncode == 2 and message in done.stderr, done.stderr
+
+
+def test_the_options_end_where_the_script_begins():
+    from helpers.doctor.cli import split_command
+
+    assert split_command(["--stall-s", "5", "train.py", "--stall-s", "9"]) == \
+        (["--stall-s", "5"], ["train.py", "--stall-s", "9"])
+    assert split_command(["--json=x.json", "-m", "pkg.train", "-v"]) == \
+        (["--json=x.json"], ["-m", "pkg.train", "-v"])
+    assert split_command(["--keep", "k", "--", "train.py"]) == (["--keep", "k"], ["train.py"])
+
+
+def test_the_srun_line_runs_torchrun_with_the_doctor_on_every_node():
+    line = runs.srun_line("train.py --epochs 3", nodes=4, per_node=8, stall_s=60)
+    assert line.startswith("srun --nodes 4 --ntasks-per-node 1 ")
+    assert "torchrun --nnodes 4 --nproc-per-node 8" in line and "-m helpers.doctor --stall-s 60" in line
+    assert "--rdzv-backend c10d" in line and "train.py --epochs 3" in line
