@@ -10,7 +10,7 @@
    floor). The Flight Recorder (on in those blocks) is measured the same way at launch granularity.
 3. The wrapper's own CPU time per call, on one rank (target <= 20 microseconds).
 
-Run: .venv/bin/python bench/doctor_bench.py [--quick]
+Run: .venv/bin/python bench/doctor_bench.py [--quick] [--overhead-only]  (the latter: section 2 alone)
 """
 
 from __future__ import annotations
@@ -98,14 +98,19 @@ def _telling_line(output: str) -> str:
 
 
 def _timed_blocks(sizes: dict[str, int], blocks: int, calls: int, toggle: bool) -> dict[str, list]:
-    """Inside a rank: seconds per block, by (size, mode); modes U1, T, U2 rotate between blocks."""
+    """Inside a rank: seconds per block, by (size, mode); the modes rotate between blocks.
+
+    "helper off" stops the tracer's helper thread for that block (untraced, so it shows what the
+    thread itself costs the untraced calls next to it)."""
     import torch
     import torch.distributed as dist
 
     from helpers import trace
+    from helpers.trace.helper import Helper
 
     tracer = trace.install(os.environ["TMPDIR"], dist.get_rank()) if toggle else None
-    modes = ["untraced", "traced", "untraced again", "busy"] if toggle else ["untraced", "untraced again"]
+    modes = (["untraced", "traced", "untraced again", "busy", "helper off"] if toggle
+             else ["untraced", "untraced again"])
     times: dict[str, list] = {f"{s} {m}": [] for s in sizes for m in modes}
     for name, count in sizes.items():
         tensor = torch.ones(count)
@@ -113,6 +118,7 @@ def _timed_blocks(sizes: dict[str, int], blocks: int, calls: int, toggle: bool) 
             for mode in modes[block % len(modes):] + modes[:block % len(modes)]:
                 if tracer is not None:
                     (tracer.patch if mode == "traced" else tracer.unpatch)()
+                    _set_helper(tracer, Helper, on=mode != "helper off")
                 busy = BUSY_US * 1e-6 if mode == "busy" else 0.0
                 dist.barrier()
                 started = time.perf_counter()
@@ -122,8 +128,19 @@ def _timed_blocks(sizes: dict[str, int], blocks: int, calls: int, toggle: bool) 
                     dist.all_reduce(tensor)
                 times[f"{name} {mode}"].append(time.perf_counter() - started)
     if tracer is not None:
+        _set_helper(tracer, Helper, on=True)
         trace.finish("finished")
     return times
+
+
+def _set_helper(tracer: object, helper_class: type, on: bool) -> None:
+    running = tracer.helper is not None  # type: ignore[attr-defined]
+    if on and not running:
+        tracer.helper = helper_class(tracer)  # type: ignore[attr-defined]
+        tracer.helper.start()  # type: ignore[attr-defined]
+    elif not on and running:
+        tracer.helper.stop()  # type: ignore[attr-defined]
+        tracer.helper = None  # type: ignore[attr-defined]
 
 
 def _spin(seconds: float) -> None:
@@ -142,43 +159,60 @@ def _median_ratio(numerators: list[float], denominators: list[float]) -> float:
     return _median([a / b for a, b in zip(numerators, denominators, strict=True)])
 
 
+def _fr_env(stacks: bool = False) -> dict[str, str]:
+    """The Flight Recorder as ``trace.install`` sets it (the bench installs after the process group
+    exists, too late for these variables, so launch sets them); ``stacks``: as before, per-entry
+    Python stacks captured."""
+    from helpers import trace
+
+    return {"TORCH_FR_BUFFER_SIZE": trace.FR_BUFFER_SIZE,
+            "TORCH_INCLUDE_STACK_TRACE": "1" if stacks else trace.FR_STACK_TRACE}
+
+
 def overhead_rows(quick: bool) -> list[str]:
     blocks = 6 if quick else BLOCKS
     times = launch.launch(_timed_blocks, (SIZES, blocks, CALLS, True), num_processes=2, timeout_s=600,
-                          env={"TORCH_FR_BUFFER_SIZE": "256"})[0]
+                          env=_fr_env())[0]
     lines = [f"wrapper on/off, interleaved in the same 2 ranks ({blocks} rounds of {CALLS} calls per mode; "
-             "Flight Recorder on throughout; ratios are medians of each round's ratio; 'busy' spins "
-             f"{BUSY_US:.0f} us of plain CPU before each untraced call, a control for what any per-call "
-             "CPU costs on this machine):",
+             "Flight Recorder on throughout, as the tracer sets it; ratios are medians of each round's "
+             f"ratio; 'busy' spins {BUSY_US:.0f} us of plain CPU before each untraced call, a control for "
+             "what any per-call CPU costs on this machine; 'helper off': untraced with the tracer's "
+             "helper thread stopped):",
              f"{'size':<8}{'untraced us/call':>18}{'traced us/call':>16}{'traced/untraced':>17}"
-             f"{'untraced/untraced':>19}{'busy/untraced':>15}"]
+             f"{'untraced/untraced':>19}{'busy/untraced':>15}{'helper off/untraced':>21}"]
     for name in SIZES:
-        base, traced, again, busy = (times[f"{name} {mode}"]
-                                     for mode in ("untraced", "traced", "untraced again", "busy"))
+        base, traced, again, busy, no_helper = (times[f"{name} {mode}"] for mode in (
+            "untraced", "traced", "untraced again", "busy", "helper off"))
         lines.append(f"{name:<8}{1e6 * _median(base) / CALLS:>18.1f}{1e6 * _median(traced) / CALLS:>16.1f}"
                      f"{_median_ratio(traced, base):>17.3f}{_median_ratio(again, base):>19.3f}"
-                     f"{_median_ratio(busy, base):>15.3f}")
+                     f"{_median_ratio(busy, base):>15.3f}{_median_ratio(no_helper, base):>21.3f}")
     lines += flight_recorder_rows(blocks)
     return lines
 
 
 def flight_recorder_rows(blocks: int) -> list[str]:
-    """Flight Recorder on vs off: alternating launches (its buffer size is fixed per process)."""
-    runs: dict[str, list[dict]] = {"off": [], "on": [], "off again": []}
+    """Flight Recorder off, on (as the tracer sets it: no per-entry stacks) and on with stacks
+    (torch's default): alternating launches (its settings are fixed per process)."""
+    envs = {"off": {"TORCH_FR_BUFFER_SIZE": "0"}, "on": _fr_env(), "on+stacks": _fr_env(stacks=True),
+            "off again": {"TORCH_FR_BUFFER_SIZE": "0"}}
+    modes = list(envs)
+    runs: dict[str, list[dict]] = {mode: [] for mode in modes}
     for index in range(3):
-        for mode in ("off", "on", "off again")[index:] + ("off", "on", "off again")[:index]:
-            env = {"TORCH_FR_BUFFER_SIZE": "256" if mode == "on" else "0"}
+        for mode in modes[index:] + modes[:index]:
             runs[mode].append(launch.launch(_timed_blocks, (SIZES, max(2, blocks // 3), CALLS, False),
-                                            num_processes=2, timeout_s=600, env=env)[0])
-    lines = ["Flight Recorder on/off, alternating launches (3 launches per mode; paired by round):",
-             f"{'size':<8}{'off us/call':>13}{'on us/call':>12}{'on/off':>9}{'off/off':>9}"]
+                                            num_processes=2, timeout_s=600, env=envs[mode])[0])
+    lines = ["Flight Recorder off/on, alternating launches (3 launches per mode; paired by round; 'on' as "
+             "the tracer sets it, 'on+stacks' with torch's default per-entry stack capture):",
+             f"{'size':<8}{'off us/call':>13}{'on us/call':>12}{'on+stacks us/call':>19}{'on/off':>9}"
+             f"{'on+stacks/off':>15}{'off/off':>9}"]
     for name in SIZES:
         def per_launch(mode: str, size: str = name) -> list[float]:
             return [_median([t for key, v in run.items() if key.startswith(size) for t in v]) / CALLS
                     for run in runs[mode]]
-        off, on, again = per_launch("off"), per_launch("on"), per_launch("off again")
+        off, on, stacks, again = (per_launch(mode) for mode in modes)
         lines.append(f"{name:<8}{1e6 * _median(off):>13.1f}{1e6 * _median(on):>12.1f}"
-                     f"{_median_ratio(on, off):>9.3f}{_median_ratio(again, off):>9.3f}")
+                     f"{1e6 * _median(stacks):>19.1f}{_median_ratio(on, off):>9.3f}"
+                     f"{_median_ratio(stacks, off):>15.3f}{_median_ratio(again, off):>9.3f}")
     return lines
 
 
@@ -208,7 +242,8 @@ def _wrapper_cpu(calls: int) -> tuple[float, float]:
 
 
 def wrapper_rows() -> tuple[list[str], bool]:
-    untraced, traced = launch.launch(_wrapper_cpu, (5000,), num_processes=1, timeout_s=600)[0]
+    untraced, traced = launch.launch(_wrapper_cpu, (5000,), num_processes=1, timeout_s=600,
+                                     env=_fr_env())[0]
     own = 1e6 * (traced - untraced)
     ok = own <= TARGET_WRAPPER_US
     verdict = "met" if ok else "MISSED"
@@ -219,6 +254,11 @@ def wrapper_rows() -> tuple[list[str], bool]:
 
 def main(argv: list[str]) -> int:
     quick = "--quick" in argv
+    if "--overhead-only" in argv:
+        print("== 2. tracer overhead, 2 gloo ranks ==")
+        for line in overhead_rows(quick):
+            print(line, flush=True)
+        return 0
     print("== 1. seconds from the stall to a diagnosis ==")
     for line in detection_rows(quick):
         print(line, flush=True)

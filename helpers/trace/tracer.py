@@ -155,33 +155,66 @@ class _Plan:
 
     def sequence(self, args: tuple, kwargs: dict) -> int | None:
         """torch's sequence number of the group the call uses (collectives and p2p both count)."""
-        group = _argument(args, kwargs, self.group)
-        try:
-            if group is None:
-                group = _default_group()
-            return group._get_sequence_number_for_group()
-        except Exception:  # noqa: BLE001 - no group yet: torch will raise its own error
-            return None
+        return _sequence(_argument(args, kwargs, self.group))
 
     def describe(self, args: tuple, kwargs: dict) -> tuple[str, bool, int | None]:
         """The call's record fields as JSON text (group, sequence number, shapes, dtypes, peer,
-        async flag), whether it blocks, and its sequence number."""
-        seq = self.sequence(args, kwargs)
-        seq = None if seq is None else seq + 1
+        async flag), whether it blocks, and its sequence number.
+
+        Only the sequence number is new at every call: the group's name and the shapes' text are
+        cached (a training loop repeats the same few shapes), which halves this function's cost.
+        """
         group = _argument(args, kwargs, self.group)
+        seq = _sequence(group)
+        seq = None if seq is None else seq + 1
         fields = f'"pg":"{_group_name(group)}","seq":{"null" if seq is None else seq}'
         if self.p2p:
             fields += ',"p2p":true'
-        tensors = _tensors(_argument(args, kwargs, self.compared))
-        if tensors is not None:
-            fields += (f',"shapes":{[list(t.shape) for t in tensors]},'
-                       f'"dtypes":[{",".join(_dtype_json(t.dtype) for t in tensors)}]')
+        fields += _tensors_json(_argument(args, kwargs, self.compared))
         if self.peer is not None:
             fields += f',"peer":{json.dumps(_argument(args, kwargs, self.peer))}'
         blocking = not _argument(args, kwargs, self.async_op)
         if not blocking:
             fields += ',"async":true'
         return fields, blocking, seq
+
+
+def _sequence(group: Any) -> int | None:
+    try:
+        if group is None:
+            group = _default_group()
+        return group._get_sequence_number_for_group()
+    except Exception:  # noqa: BLE001 - no group yet: torch will raise its own error
+        return None
+
+
+_shapes: dict[tuple, str] = {}  # (shape, dtype) per tensor -> their record text
+_SHAPES_KEPT = 4096  # distinct shape lists cached (a loop with ever-new shapes must not grow memory)
+
+
+def _tensors_json(value: Any) -> str:
+    """``,"shapes":[...],"dtypes":[...]`` for a tensor or a list of them ("" for anything else)."""
+    if value is None:
+        return ""
+    if isinstance(value, (list, tuple)):
+        tensors = [v for v in value if hasattr(v, "shape")]
+    elif hasattr(value, "shape"):
+        tensors = [value]
+    else:
+        return ""
+    try:
+        key = tuple((t.shape, t.dtype) for t in tensors)
+        text = _shapes.get(key)
+    except TypeError:  # an unhashable shape (not a tensor): described, not cached
+        key, text = None, None
+    if text is None:
+        text = (f',"shapes":{[list(t.shape) for t in tensors]},'
+                f'"dtypes":[{",".join(_dtype_json(t.dtype) for t in tensors)}]')
+        if key is not None:
+            if len(_shapes) >= _SHAPES_KEPT:
+                _shapes.clear()
+            _shapes[key] = text
+    return text
 
 
 _dtypes: dict[Any, str] = {}
@@ -211,14 +244,6 @@ def _argument(args: tuple, kwargs: dict, where: tuple[int, str] | None) -> Any:
         return None
     index, name = where
     return args[index] if index < len(args) else kwargs.get(name)
-
-
-def _tensors(value: Any) -> list | None:
-    if value is None:
-        return None
-    if isinstance(value, (list, tuple)):
-        return [v for v in value if hasattr(v, "shape")]
-    return [value] if hasattr(value, "shape") else None
 
 
 _group_names: dict[int, str] = {}
