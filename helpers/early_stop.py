@@ -16,7 +16,9 @@ process starts.
 
 Notebook 05 makes one call per cell: ``check_config``, ``lint_loops``, ``run_broken`` (a ``Note``
 when ``show_hang`` is False: whether to skip is decided here, not in the notebook), ``swimlane``,
-``run_fixed``, and ``outcome`` for the last cell. The panel calls ``run_loop`` with its widgets' values.
+``run_fixed``, ``run_in_job`` (the broken loop as a multi-node job: one torchrun agent per rank over
+127.0.0.1, ``-m helpers.doctor`` inside, and the ``srun`` line for a cluster), and ``outcome`` for the
+last cell. The panel calls ``run_loop`` with its widgets' values.
 """
 
 from __future__ import annotations
@@ -36,9 +38,9 @@ if TYPE_CHECKING:
 
     from helpers.doctor import Diagnosis
 
-__all__ = ["LOOPS", "SKIPPED", "VARIANTS", "EarlyStopOutcome", "EarlyStopRun", "LoopCheck", "LoopLint",
-           "RankEnd", "check_config", "lint_loops", "outcome", "panel", "run_broken", "run_fixed", "run_loop",
-           "swimlane"]
+__all__ = ["LOOPS", "SKIPPED", "VARIANTS", "ClusterRun", "EarlyStopOutcome", "EarlyStopRun", "LoopCheck",
+           "LoopLint", "RankEnd", "check_config", "lint_loops", "outcome", "panel", "run_broken", "run_fixed",
+           "run_in_job", "run_loop", "swimlane"]
 
 VARIANTS = ("fixed", "broken")
 SCENARIO = "early-stop"
@@ -132,9 +134,7 @@ class EarlyStopRun(report.ResultMixin):
     @property
     def expected_culprits(self) -> list[int]:
         """``[stop_rank]``; on 2 ranks stopping at step 0, both ranks (see ``AMBIGUOUS``)."""
-        if self.num_processes == 2 and self.stop_step == 0:
-            return [0, 1]
-        return [self.stop_rank]
+        return expected_culprits(self.num_processes, self.stop_rank, self.stop_step)
 
     @property
     def diagnosed_right(self) -> bool:
@@ -197,6 +197,94 @@ class EarlyStopRun(report.ResultMixin):
         """The doctor's swimlane of this run (matplotlib Figure): each rank's collectives over time."""
         title = f"{self.variant} loop: {self.diagnosis.verdict} ({self.diagnosis.kind})"
         return self.diagnosis.swimlane(title)
+
+
+def expected_culprits(num_processes: int, stop_rank: int, stop_step: int) -> list[int]:
+    """The ranks the doctor must blame: ``[stop_rank]``; both on 2 ranks stopping at step 0."""
+    return [0, 1] if num_processes == 2 and stop_step == 0 else [stop_rank]
+
+
+@dataclass(repr=False)
+class ClusterRun(report.ResultMixin):
+    """The broken loop as a multi-node job on this machine: one torchrun agent per rank ("node"),
+    over 127.0.0.1, each in its own working folder, ``-m helpers.doctor`` inside every rank.
+
+    ``ok``: the leading rank diagnosed the expected kind and culprits, and every agent ended with
+    every rank on the doctor's exit code.
+    """
+
+    nodes: int
+    stop_rank: int
+    stall_s: float
+    commands: list[str]  # one shell line per node
+    agent_codes: list[int | None]  # each agent's exit code (None: stopped at the deadline)
+    rank_codes: dict[int, int]  # each rank's exit code, from its agent's summary
+    ended_s: float  # when the last agent ended, from the start
+    expected_kind: str
+    expected_ranks: list[int]
+    diagnosis: Diagnosis | None
+    srun: str  # the same job on a Slurm cluster
+    ok: bool = field(init=False)
+
+    def __post_init__(self) -> None:
+        d = self.diagnosis
+        self.ok = (d is not None and d.kind == self.expected_kind and d.ranks == self.expected_ranks
+                   and all(code is not None for code in self.agent_codes)
+                   and set(self.rank_codes.values()) == {d.exit_code})
+
+    def summary(self) -> str:
+        """One line: what the doctor inside the job found, and how the job ended."""
+        d = self.diagnosis
+        if d is None:
+            return f"{self.nodes}-node job: no diagnosis was written (agents {self.agent_codes})"
+        codes = sorted(set(self.rank_codes.values()))
+        after = "" if d.detected_after_s is None else f", {d.detected_after_s:.1f} s after progress stopped"
+        text = (f"{self.nodes}-node job under -m helpers.doctor: {d.verdict} ({d.kind}) blaming rank(s) "
+                f"{d.ranks}{after}; every agent ended {self.ended_s:.1f} s after the start, the ranks "
+                f"with exit codes {codes}")
+        if not self.ok:
+            text += f"; NOT as expected ({self.expected_kind}, rank(s) {self.expected_ranks})"
+        return text
+
+    def __repr__(self) -> str:
+        return f"ClusterRun({self.summary()})"
+
+    def _repr_html_(self) -> str:
+        colour = "#2e7d32" if self.ok else "#c62828"
+        commands = html.escape("\n".join(f"# node {n} (its own folder)\n{line}"
+                                         for n, line in enumerate(self.commands)))
+        found = self.diagnosis._repr_html_() if self.diagnosis is not None else "<p>no diagnosis</p>"
+        return (f"<div><p><b style='color:{colour}'>{html.escape(self.summary())}</b></p>"
+                f"<p>The commands (what each node of a cluster runs):</p><pre>{commands}</pre>{found}"
+                f"<p>On a Slurm cluster:</p><pre>{html.escape(self.srun)}</pre></div>")
+
+
+def run_in_job(cfg: Mapping[str, Any]) -> ClusterRun | Note:
+    """Notebook 05's cluster step: the broken loop as a ``num_processes``-node job (one rank per
+    torchrun agent over 127.0.0.1) under ``-m helpers.doctor``; a ``Note`` when ``show_hang`` is
+    False."""
+    if not cfg.get("show_hang", True):
+        return Note(SKIPPED)
+    import shlex
+    import tempfile
+
+    from helpers import scenarios
+    from helpers.doctor import runs
+
+    values = _loop_values(cfg)
+    scenario = scenarios.get(SCENARIO)
+    steps = max(scenario.parameters()["STEPS"], values["stop_step"] + STEPS_AFTER_STOP)
+    command = scenario.command("broken", diverge_rank=values["stop_rank"], step=values["stop_step"],
+                               steps=steps)
+    nodes = values["num_processes"]
+    with tempfile.TemporaryDirectory(prefix="helpers-cluster-") as folder:
+        job = runs.run_job(command, folder, nodes=nodes, per_node=1, stall_s=values["stall_s"],
+                           timeout_s=values["stall_s"] + DEADLINE_MARGIN_S + 10 * nodes)
+    lines = [shlex.join(["torchrun", *argv[3:]]) for argv in job.commands]  # python -m torch.distributed.run
+    return ClusterRun(nodes, values["stop_rank"], values["stall_s"], lines, job.agent_codes, job.rank_codes,
+                      round(job.ended_s, 1), scenario.expected["job"].kind,
+                      expected_culprits(nodes, values["stop_rank"], values["stop_step"]), job.diagnosis,
+                      runs.srun_line("train.py", nodes=nodes, per_node=8, stall_s=values["stall_s"]))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -265,17 +353,20 @@ class EarlyStopOutcome(Outcome):
 
     broken: EarlyStopRun | None  # None: skipped (show_hang is False)
     fixed: EarlyStopRun
+    cluster: ClusterRun | None = None  # the broken loop as a multi-node job (None: skipped)
 
     @property
     def ok(self) -> bool:  # type: ignore[override]
-        """The broken loop hung as expected and was diagnosed right (or was skipped), and the fixed
-        loop completed with every rank stopping together."""
-        return (self.broken is None or self.broken.diagnosed_right) and self.fixed.completed
+        """The broken loop hung as expected and was diagnosed right (or was skipped), so was the
+        multi-node job, and the fixed loop completed with every rank stopping together."""
+        return ((self.broken is None or self.broken.diagnosed_right) and self.fixed.completed
+                and (self.cluster is None or self.cluster.ok))
 
     def verdict(self) -> str:
         """'PASS: ...' or 'FAIL: ...' with what each loop did."""
         broken = f"{SKIPPED}." if self.broken is None else self.broken.summary()
-        return f"{'PASS' if self.ok else 'FAIL'}: {broken} {self.fixed.summary()}"
+        cluster = "" if self.cluster is None else f" {self.cluster.summary()}."
+        return f"{'PASS' if self.ok else 'FAIL'}: {broken} {self.fixed.summary()}{cluster}"
 
     def __repr__(self) -> str:
         return f"EarlyStopOutcome({self.verdict()})"
@@ -298,13 +389,19 @@ class EarlyStopOutcome(Outcome):
                          f" in {fixed.seconds:.1f} s")
         else:
             parts.append(f"fixed loop did NOT complete: {fixed.diagnosis.verdict} ({fixed.diagnosis.kind})")
+        if self.cluster is not None and self.cluster.diagnosis is not None:
+            d = self.cluster.diagnosis
+            parts.append(f"{self.cluster.nodes}-node job: {d.kind} on rank(s) {d.ranks}, every agent ended"
+                         + ("" if self.cluster.ok else " (NOT as expected)"))
         return "; ".join(parts)
 
 
-def outcome(broken: EarlyStopRun | Note, fixed: EarlyStopRun) -> EarlyStopOutcome:
+def outcome(broken: EarlyStopRun | Note, fixed: EarlyStopRun,
+            cluster: ClusterRun | Note | None = None) -> EarlyStopOutcome:
     """Notebook 05's last cell: ``broken`` from ``run_broken`` (a Note when skipped), ``fixed`` from
-    ``run_fixed``."""
-    return EarlyStopOutcome(None if isinstance(broken, Note) else broken, fixed)
+    ``run_fixed``, ``cluster`` from ``run_in_job``."""
+    return EarlyStopOutcome(None if isinstance(broken, Note) else broken, fixed,
+                            None if isinstance(cluster, Note) else cluster)
 
 
 def panel(cfg: params.Config):

@@ -194,7 +194,12 @@ def test_the_catalog_under_the_doctor_in_a_job(scenario_id, tmp_path, leftovers)
     outcome = runs.run_job(scenario.command(scenario.variants[0]), tmp_path, nodes=2, per_node=1,
                            stall_s=2.0, timeout_s=TIMEOUT_S)
     data = _json_of(outcome)
-    check_diagnosis({key: data[key] for key in KEYS}, scenario, "job", 2, stall_s=2.0)
+    if scenario.id == "variable-gather" and data["kind"] == "rank-exited":
+        # gloo aborted one rank (SIGABRT) within milliseconds of the mismatched call, before its
+        # heartbeat carried the shape (the catalog's notes): the doctor names the rank that died
+        assert data["verdict"] == "crash" and len(data["ranks"]) == 1 and -6 in outcome.rank_codes.values()
+    else:
+        check_diagnosis({key: data[key] for key in KEYS}, scenario, "job", 2, stall_s=2.0)
     expected_codes = {EXIT_CODES[data["verdict"]]} if data["verdict"] != "ok" else {0}
     if data["verdict"] != "ok" and scenario.id != "dead-rank":
         assert set(outcome.rank_codes.values()) <= expected_codes | {-6, -11}, outcome.rank_codes

@@ -110,14 +110,17 @@ def test_skipped_broken_run_is_a_note_and_the_outcome_is_ok(tmp_path, leftovers)
                                                   show_hang=False, results_path=str(tmp_path / "r.json")))
     broken = early_stop.run_broken(cfg)  # nothing runs
     assert isinstance(broken, report.Note) and broken.message == early_stop.SKIPPED
+    cluster = early_stop.run_in_job(cfg)  # nothing runs either
+    assert isinstance(cluster, report.Note)
     assert isinstance(early_stop.swimlane(broken), report.Note)
     fixed = early_stop.run_fixed(cfg)  # real ranks
-    result = early_stop.outcome(broken, fixed)
+    result = early_stop.outcome(broken, fixed, cluster)
     assert isinstance(result, report.Outcome) and result.ok, result.verdict()
     assert result.verdict().startswith(f"PASS: {early_stop.SKIPPED}. fixed loop on 2 ranks")
     data = json.loads(result.save(cfg.results_path).read_text())
-    # as notebook 05 always wrote, and the one-line headline make report shows
-    assert list(data) == ["broken", "fixed", "headline"] and data["broken"] is None
+    # as notebook 05 always wrote, the multi-node job, and the one-line headline make report shows
+    assert list(data) == ["broken", "fixed", "cluster", "headline"] and data["broken"] is None
+    assert data["cluster"] is None
     assert data["fixed"]["ok"] is True and [r["stopped_at"] for r in data["fixed"]["ranks"]] == [2, 2]
     leftovers.check()
 

@@ -39,7 +39,14 @@ def test_three_ranks_with_the_last_rank_stopping_at_step_1(tmp_path, leftovers):
     assert "issued by DDP inside backward()" in text  # the diagnosis table is an ordinary output
     assert "DIVERGENT_BREAK" in text and "NONEXISTENT_API" in text  # the lint ran before the loop
     assert _images(nb) == 1, "the swimlane is a cell output"
-    assert time.monotonic() - started < 120
+    cluster = data["cluster"]  # the same loop as a 3-node job, the doctor inside every rank
+    assert cluster["ok"] and cluster["nodes"] == 3 and cluster["rank_codes"] == {"0": 3, "1": 3, "2": 3}
+    assert (cluster["diagnosis"]["kind"], cluster["diagnosis"]["ranks"]) == ("collective-mismatch", [2])
+    assert all(" -m helpers.doctor " in line and "--master-addr 127.0.0.1" in line
+               for line in cluster["commands"])
+    assert "srun --nodes 3" in text and "3-node job under -m helpers.doctor: hang" in text
+    assert "3-node job: collective-mismatch on rank(s) [2], every agent ended" in data["headline"]
+    assert time.monotonic() - started < 150
     leftovers.check()
 
 
@@ -48,7 +55,7 @@ def test_show_hang_false_runs_only_the_fixed_loop(tmp_path, leftovers):
     nb = run_notebook(NOTEBOOK, tmp_path, {"stop_rank": 0, "stop_step": 4, "show_hang": False,
                                            "results_path": str(results)})
     data = json.loads(results.read_text())
-    assert data["broken"] is None and data["fixed"]["ok"]
+    assert data["broken"] is None and data["cluster"] is None and data["fixed"]["ok"]
     assert data["headline"].startswith("broken loop skipped; fixed loop: all 2 ranks stopped at step 4")
     assert [r["stopped_at"] for r in data["fixed"]["ranks"]] == [4, 4]
     text = notebook_text_outputs(nb)

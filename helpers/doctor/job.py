@@ -479,6 +479,7 @@ def _diagnosis(world: int, reason: str, since_s: float, answers: dict[int, dict[
             dead = rank in vanished or _dead(seen, host) and not seen.beat.get("exit")
             if dead and not seen.beat.get("exit"):
                 view.exit, view.ended, view.exit_code = {"ev": "exit", "status": "vanished"}, True, None
+                view.state["stack"] = []  # where it was a tick before it died: no evidence of its end
                 notes.append(f"rank {rank} ended without a word (no exception, no exit code): killed "
                              "by a signal, e.g. SIGKILL from the OOM killer; its agent's log has the signal")
             elif not seen.beat.get("exit"):

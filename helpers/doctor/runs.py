@@ -116,7 +116,7 @@ def torchrun_exit_codes(output: str) -> dict[int, int]:
 # ---------------------------------------------------------------------------------------------
 # a multi-node job on this machine, the doctor inside
 
-JOB_JSON = "diagnosis.json"  # the leader's --json, relative to its node's working folder
+JOB_JSON = "doctor.json"  # the leader's --json, relative to its node's working folder
 LAUNCHERS = ("torchrun", "accelerate")
 
 

@@ -153,7 +153,9 @@ SCENARIOS: tuple[Scenario, ...] = (
         "DIVERGE_RANK on 3+ ranks; both ranks on 2 (no majority)", None, None, "gather",
         fix="accelerator.pad_across_processes before gather, drop the padding after",
         notes="on gloo the mismatched all_gather aborts the process (SIGABRT, 'Received data size "
-              "doesn't match expected size'); NCCL may hang or return garbage"),
+              "doesn't match expected size'); NCCL may hang or return garbage. The doctor inside a "
+              "job (job) may instead name the aborted rank (rank-exited): it died within "
+              "milliseconds of the call, before its heartbeat carried the mismatched shape"),
     Scenario(
         "uneven-eval", "uneven_eval",
         "an evaluation loader with even_batches=False: the last rank runs out of batches and waits "

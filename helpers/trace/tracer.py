@@ -33,7 +33,7 @@ class Tracer:
         ``fd``), nothing is written to disk and nothing is left if the process is killed."""
         self.run_dir, self.rank = (Path(run_dir) if run_dir is not None else None), rank
         if run_dir is None:
-            self.fd = os.memfd_create(f"helpers-trace-{rank}", os.MFD_CLOEXEC)
+            self.fd = os.memfd_create(f"helpers-records-rank{rank}", os.MFD_CLOEXEC)
         else:
             self.fd = os.open(rundir.trace_path(run_dir, rank), os.O_WRONLY | os.O_CREAT | os.O_APPEND,
                               0o600)
