@@ -18,7 +18,7 @@ from pathlib import Path
 import psutil
 import pytest
 
-from helpers import scenarios
+from helpers import doctor, scenarios
 from helpers.doctor import EXIT_CODES, job, runs
 from helpers.doctor.board import Board
 
@@ -157,6 +157,44 @@ def test_kill_9_of_one_agent_ends_the_job_on_both_nodes(script, tmp_path, leftov
     # the lost node's ranks are the cause (the one outside any collective first), not node 0's
     assert data["verdict"] == "crash" and data["ranks"] and set(data["ranks"]) <= {2, 3}, data
     assert "its agent died" in data["summary"]
+    leftovers.check()
+
+
+def test_keep_leaves_each_nodes_records_and_the_leaders_diagnosis(script, tmp_path, leftovers):
+    outcome = runs.run_job([str(script)], tmp_path, stall_s=STALL_S, timeout_s=TIMEOUT_S, keep=True,
+                           env={"MODE": "hang", "CULPRIT": "3"})
+    first, second = (d / runs.JOB_KEEP for d in outcome.node_dirs)
+    assert sorted(p.name for p in first.glob("trace-*")) == ["trace-0.jsonl", "trace-1.jsonl"]
+    assert sorted(p.name for p in second.glob("trace-*")) == ["trace-2.jsonl", "trace-3.jsonl"]
+    assert {p.name for p in second.glob("state-*")} == {"state-2.json", "state-3.json"}
+    kept = json.loads((first / "diagnosis.json").read_text())
+    assert kept == json.loads((outcome.node_dirs[0] / runs.JOB_JSON).read_text())
+    assert kept["ranks"] == [3]
+    merged = tmp_path / "merged"  # the nodes' folders side by side (shared storage): a post-mortem
+    for folder in (first, second):
+        shutil.copytree(folder, merged, dirs_exist_ok=True)
+    again = doctor.diagnose_dir(merged, 4, stopped=True)  # the doctor stopped every rank
+    assert (again.kind, again.ranks) == ("rank-missing", [3]), again.text()
+    leftovers.check()
+
+
+def test_on_hang_report_writes_the_diagnosis_and_leaves_the_job_to_torch(script, tmp_path, leftovers):
+    started = runs.start_job([str(script)], tmp_path, stall_s=STALL_S, on_hang="report",
+                             env={"MODE": "hang", "CULPRIT": "3"})
+    written = started.node_dirs[0] / runs.JOB_JSON
+    try:
+        deadline = time.monotonic() + TIMEOUT_S
+        while not written.exists():
+            assert time.monotonic() < deadline and all(a.poll() is None for a in started.agents)
+            time.sleep(0.1)  # polling another process's output, bounded by the deadline
+        assert json.loads(written.read_text())["ranks"] == [3]
+        for _ in range(int(3 / job.TICK_S)):  # a few ticks later the job still runs, as asked
+            assert all(agent.poll() is None for agent in started.agents)
+            time.sleep(job.TICK_S)
+    finally:
+        outcome = started.wait(0)  # stopped here, with every tree: torch's timeout is 30 minutes
+    assert outcome.agent_codes == [None, None]
+    assert not _left(script)
     leftovers.check()
 
 

@@ -95,7 +95,11 @@ def run_rank(job: JobEnv, options: JobOptions, command: list[str]) -> NoReturn:
         options.keep_dir.mkdir(parents=True, exist_ok=True)
         rundir.clear_rank_record(options.keep_dir, job.rank)
     tracer = trace.install(options.keep_dir, job.rank)
-    watchdog = Watchdog(job, options, os.dup(tracer.fd), parent)
+    if options.keep_dir is None:  # the records' in-memory file, read back through its own descriptor
+        reader = os.dup(tracer.fd)
+    else:  # the tracer's file is open for appending only
+        reader = os.open(rundir.trace_path(options.keep_dir, job.rank), os.O_RDONLY)
+    watchdog = Watchdog(job, options, reader, parent)
     watchdog.start()
     code, error = run_as_main(command)
     if error is not None:
@@ -177,9 +181,10 @@ class Watchdog(threading.Thread):
             self._wait_tick()
             try:
                 self._tick()
-            except Exception as exc:  # noqa: BLE001 - the store went away with its host (the agent)
-                print(f"doctor: rank {self.job.rank} lost the job's store ({type(exc).__name__}: {exc}); "
-                      "this rank is no longer watched", file=sys.stderr)
+            except Exception as exc:  # noqa: BLE001 - mostly: the store went away with its host (an agent)
+                print(f"doctor: rank {self.job.rank} stopped watching ({type(exc).__name__}: {exc}; the "
+                      f"job's store at {self.job.master_addr}:{self.job.master_port} may have gone with its "
+                      "agent)", file=sys.stderr)
                 self.decided.set()
                 if self.signalled is not None:
                     _leave(128 + self.signalled)

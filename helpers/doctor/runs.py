@@ -117,6 +117,7 @@ def torchrun_exit_codes(output: str) -> dict[int, int]:
 # a multi-node job on this machine, the doctor inside
 
 JOB_JSON = "doctor.json"  # the leader's --json, relative to its node's working folder
+JOB_KEEP = "doctor-record"  # each node's --keep folder (its ranks' records; the leader's diagnosis)
 LAUNCHERS = ("torchrun", "accelerate")
 
 
@@ -166,13 +167,14 @@ def srun_line(script: str, nodes: int = 2, per_node: int = 8, stall_s: float = D
 
 def run_job(command: Sequence[str], folder: str | Path, nodes: int = 2, per_node: int = 2,
             stall_s: float = DEFAULT_STALL_S, timeout_s: float = 300.0, launcher: str = "torchrun",
-            on_hang: str = "stop", env: dict[str, str] | None = None) -> JobRun:
+            on_hang: str = "stop", env: dict[str, str] | None = None, keep: bool = False) -> JobRun:
     """Run ``command`` as a ``nodes`` x ``per_node`` job on this machine under the doctor.
 
-    Each node's agent runs in ``folder/node<N>`` (the leader writes ``diagnosis.json`` in its own);
-    past ``timeout_s`` every agent is stopped with its whole tree.
+    Each node's agent runs in ``folder/node<N>`` (the leader writes ``JOB_JSON`` in its own; with
+    ``keep``, each node's ranks keep their records in ``JOB_KEEP`` there); past ``timeout_s`` every
+    agent is stopped with its whole tree.
     """
-    return start_job(command, folder, nodes, per_node, stall_s, launcher, on_hang, env).wait(timeout_s)
+    return start_job(command, folder, nodes, per_node, stall_s, launcher, on_hang, env, keep).wait(timeout_s)
 
 
 class Job:
@@ -213,7 +215,7 @@ class Job:
 
 def start_job(command: Sequence[str], folder: str | Path, nodes: int = 2, per_node: int = 2,
               stall_s: float = DEFAULT_STALL_S, launcher: str = "torchrun", on_hang: str = "stop",
-              env: dict[str, str] | None = None) -> Job:
+              env: dict[str, str] | None = None, keep: bool = False) -> Job:
     """Start ``command`` as a ``nodes`` x ``per_node`` job on this machine under the doctor (see
     ``run_job``); the caller must ``wait()`` on it."""
     from helpers import params
@@ -226,6 +228,7 @@ def start_job(command: Sequence[str], folder: str | Path, nodes: int = 2, per_no
         node_dir.mkdir(parents=True, exist_ok=True)
         (node_dir / JOB_JSON).unlink(missing_ok=True)
     options = ["--stall-s", str(stall_s), "--json", JOB_JSON, "--on-hang", on_hang]
+    options += ["--keep", JOB_KEEP] if keep else []
     commands = job_commands(command, nodes, per_node, procs.free_port(), options, launcher)
     extra = {"ACCELERATE_USE_CPU": "true"} if launcher == "accelerate" else {}
     return Job(commands, node_dirs, {**extra, **(env or {})})
