@@ -8,6 +8,7 @@ job is left on either "node" (psutil, by the script's unique path) and no temp f
 from __future__ import annotations
 
 import json
+import os
 import shutil
 import signal
 import subprocess
@@ -139,6 +140,8 @@ def test_a_rank_whose_python_cannot_answer_is_named_after_a_bounded_wait(script,
     data = _json(outcome)
     assert (data["verdict"], data["kind"], data["ranks"]) == ("hang", "rank-missing", [3]), data
     assert any("rank 3 did not answer" in note and "GIL" in note for note in data["notes"])
+    if any("py-spy" in note for note in data["notes"]):  # root here; ptrace rights elsewhere
+        assert data["per_rank"][3]["location"] == _line("gil")
     assert data["detected_after_s"] <= STALL_S + job.EVIDENCE_WAIT_S + 1
     assert max(outcome.agent_seconds) < 60  # not torchrun's 30 s SIGTERM grace on top of it
     leftovers.check()
@@ -256,7 +259,7 @@ def _json_of(outcome: runs.JobRun) -> dict:
 
 
 def test_without_a_launcher_it_needs_num_processes(tmp_path):
-    env = {k: v for k, v in __import__("os").environ.items() if k not in ("RANK", "WORLD_SIZE")}
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE")}
     done = subprocess.run([sys.executable, "-m", "helpers.doctor", str(FIXTURE)], capture_output=True,
                           text=True, timeout=60, env=env)
     assert done.returncode == 2 and "--num-processes" in done.stderr and "torchrun" in done.stderr
@@ -266,7 +269,7 @@ def test_without_a_launcher_num_processes_runs_the_local_doctor(tmp_path, leftov
     out = tmp_path / "d.json"
     done = subprocess.run([sys.executable, "-m", "helpers.doctor", "--num-processes", "2", "--stall-s", "2",
                            "--json", str(out), str(FIXTURE)], capture_output=True, text=True, timeout=120,
-                          env={**__import__("os").environ, "MODE": "hang", "CULPRIT": "1"}, cwd=tmp_path)
+                          env={**os.environ, "MODE": "hang", "CULPRIT": "1"}, cwd=tmp_path)
     assert done.returncode == 3, done.stderr[-2000:]
     data = json.loads(out.read_text())
     assert (data["kind"], data["ranks"]) == ("rank-missing", [1])
@@ -300,3 +303,20 @@ def test_the_srun_line_runs_torchrun_with_the_doctor_on_every_node():
     assert line.startswith("srun --nodes 4 --ntasks-per-node 1 ")
     assert "torchrun --nnodes 4 --nproc-per-node 8" in line and "-m helpers.doctor --stall-s 60" in line
     assert "--rdzv-backend c10d" in line and "train.py --epochs 3" in line
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="needs root to run a process as another user")
+def test_without_ptrace_rights_a_silent_rank_keeps_its_heartbeat_position(tmp_path):
+    # the leader may not read a rank it does not own with py-spy: no stack, no error, no hang
+    sleeper = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        code = (f"import socket\nfrom helpers.doctor import job\nfrom helpers.doctor.board import Seen\n"
+                f"beats = {{3: Seen({{'host': socket.gethostname(), 'pid': {sleeper.pid}}})}}\n"
+                f"print(job._py_spy_stacks([3], beats, socket.gethostname()))\n")
+        done = subprocess.run(["setpriv", "--reuid=65534", "--regid=65534", "--clear-groups", sys.executable,
+                               "-c", code], capture_output=True, text=True, timeout=60, cwd="/",
+                              env={**os.environ, "HOME": "/"})
+        assert done.returncode == 0 and done.stdout.strip() == "{}", done.stderr
+    finally:
+        sleeper.kill()
+        sleeper.wait()

@@ -50,6 +50,7 @@ TICK_S = 0.25  # how often a watchdog posts its heartbeat and reads the leader's
 EVIDENCE_WAIT_S = 2.0  # the leader waits this long for the ranks' answers
 STOP_ACK_S = 2.0  # on a stop, each rank waits at most this long for every rank to know it
 LINGER_S = EVIDENCE_WAIT_S + SILENT_S + 4 * TICK_S  # an ended rank waits this long for a verdict
+PY_SPY_S = 2.0  # reading a silent rank of the leader's machine with py-spy
 CONNECT_S = 120.0  # reaching the job's store (hosted by rank 0 itself when there is no agent)
 KEPT_RECORDS = 256  # trace records kept for an answer
 ENDED_BADLY = ("raised", "exited")  # exit statuses that call for a diagnosis at once
@@ -381,8 +382,10 @@ class Watchdog(threading.Thread):
         asked = [rank for rank, seen in beats.items() if rank != self.job.rank and not _dead(seen, self.host)]
         answers = board.answers(number, asked, EVIDENCE_WAIT_S)
         answers[self.job.rank] = self.state(str(number))
+        beats = board.read_beats(roster)
+        stacks = _py_spy_stacks([rank for rank in asked if rank not in answers], beats, self.host)
         diagnosis = _diagnosis(self.job.world, reason, since_s + time.monotonic() - started, answers,
-                               board.read_beats(roster), self.host)
+                               beats, self.host, stacks)
         diagnosis.notes.append(f"diagnosed inside the job by rank {self.job.rank} (on {self.host}), "
                                f"through the job's store at {self.job.master_addr}:{self.job.master_port}")
         self._publish(diagnosis)
@@ -469,9 +472,28 @@ def _trigger(beats: dict[int, Seen], world: int, stall_s: float, host: str) -> t
     return ("stall", max(stalled)) if stalled else None
 
 
+def _py_spy_stacks(ranks: list[int], beats: dict[int, Seen], host: str) -> dict[int, list[dict[str, Any]]]:
+    """The stacks of this machine's ranks that did not answer, read with py-spy (their Python cannot
+    run, but py-spy reads its memory); none where py-spy may not (ptrace rights) or cannot."""
+    from helpers.doctor import pyspy
+
+    stacks = {}
+    for rank in ranks:
+        beat = beats[rank].beat if rank in beats else {}
+        if beat.get("host") != host or not isinstance(beat.get("pid"), int) or not _alive(beat["pid"]):
+            continue
+        try:
+            stacks[rank] = [f for f in pyspy.dump_stack(beat["pid"], timeout_s=PY_SPY_S) if not f["native"]]
+        except (ValueError, OSError):  # AttachError (no ptrace rights, no py-spy) included
+            continue
+    return stacks
+
+
 def _diagnosis(world: int, reason: str, since_s: float, answers: dict[int, dict[str, Any]],
-               beats: dict[int, Seen], host: str) -> Diagnosis:
-    """Views from the answers (or the last heartbeat of a rank that did not answer), diagnosed."""
+               beats: dict[int, Seen], host: str,
+               stacks: dict[int, list[dict[str, Any]]] | None = None) -> Diagnosis:
+    """Views from the answers (or the last heartbeat of a rank that did not answer, with its stack
+    from py-spy when ``stacks`` has it), diagnosed."""
     views, notes = {}, []
     vanished = {r for seen in beats.values() for r in (seen.beat.get("exit") or {}).get("gone") or []}
     for rank in range(world):
@@ -487,6 +509,10 @@ def _diagnosis(world: int, reason: str, since_s: float, answers: dict[int, dict[
                 view.state["stack"] = []  # where it was a tick before it died: no evidence of its end
                 notes.append(f"rank {rank} ended without a word (no exception, no exit code): killed "
                              "by a signal, e.g. SIGKILL from the OOM killer; its agent's log has the signal")
+            elif not seen.beat.get("exit") and rank in (stacks or {}):
+                view.state["stack"] = stacks[rank]
+                notes.append(f"rank {rank} did not answer in {EVIDENCE_WAIT_S:.0f} s (native code holding "
+                             "the GIL): its stack was read with py-spy")
             elif not seen.beat.get("exit"):
                 notes.append(f"rank {rank} did not answer in {EVIDENCE_WAIT_S:.0f} s (native code holding "
                              f"the GIL, or a machine that stopped); where it was is from its heartbeat "
