@@ -133,6 +133,15 @@ def test_a_healthy_job_with_a_late_rank_is_left_alone_and_exits_0(script, tmp_pa
     leftovers.check()
 
 
+def test_a_forked_child_stopped_with_sigterm_is_not_its_rank(script, tmp_path, leftovers):
+    # DataLoader workers are forked children: their SIGTERM must neither wake the rank's watchdog
+    # nor keep the doctor's handler (the child dies at once, as without the doctor)
+    outcome = _run(script, tmp_path, "child")
+    assert outcome.agent_codes == [0, 0], outcome.outputs[1][-3000:]
+    assert _json(outcome)["verdict"] == "ok"
+    leftovers.check()
+
+
 def test_a_rank_whose_python_cannot_answer_is_named_after_a_bounded_wait(script, tmp_path, leftovers):
     # native code holding the GIL: the rank's watchdog cannot run; the leader names it from its last
     # heartbeat, and the rank is killed at the stop (SIGTERM cannot reach its Python either)

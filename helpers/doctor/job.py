@@ -158,11 +158,37 @@ class Watchdog(threading.Thread):
         thread at once, even while the main thread waits in C++ and cannot run a Python handler."""
         from helpers import procs
 
+        self.pid = os.getpid()
         signal.set_wakeup_fd(self.wake_write, warn_on_full_buffer=False)
         signal.signal(signal.SIGTERM, self._on_sigterm)
         procs.set_parent_death_signal(self.parent, signal.SIGTERM)
+        # SIGTERM is blocked across a fork, so that a child stopped before it ran a line (as
+        # multiprocessing's terminate() can) never writes into this rank's wakeup pipe
+        term = {signal.SIGTERM}
+        os.register_at_fork(before=lambda: signal.pthread_sigmask(signal.SIG_BLOCK, term),
+                            after_in_parent=lambda: signal.pthread_sigmask(signal.SIG_UNBLOCK, term),
+                            after_in_child=self._forget_in_child)
+
+    def _forget_in_child(self) -> None:
+        """A forked child (a DataLoader worker) is not the rank: its SIGTERM is its own, not written
+        into this rank's wakeup pipe, and ends it at once, as if the doctor were not there."""
+        for undo in (lambda: signal.set_wakeup_fd(-1), lambda: signal.signal(signal.SIGTERM, signal.SIG_DFL)):
+            try:
+                undo()
+            except ValueError:  # not the main thread: signals are the main thread's to set
+                pass
+        for fd in (self.wake_read, self.wake_write, self.trace_fd):
+            try:
+                os.close(fd)
+            except OSError:
+                pass
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGTERM})  # a pending one now ends it
 
     def _on_sigterm(self, signum: int, frame: Any) -> None:  # the main thread, when it can
+        if os.getpid() != self.pid:  # a child forked from a thread, which kept this handler
+            signal.signal(signum, signal.SIG_DFL)
+            os.kill(os.getpid(), signum)
+            return
         self.signalled = signum
         self.decided.wait(LINGER_S + 1)
         _leave(self.stop_code or 128 + signum)
@@ -229,7 +255,7 @@ class Watchdog(threading.Thread):
             if posted is not None:
                 self.verdict, stop = posted
                 if stop is not None:
-                    self._stop(*stop, by_leader=False)
+                    self._end_on_stop(*stop, by_leader=False)
                 self.decided.set()
         number = board.request()
         if number > self.answered:
@@ -332,7 +358,7 @@ class Watchdog(threading.Thread):
         except Exception:  # noqa: BLE001 - leaving anyway
             pass
 
-    def _stop(self, code: int, expected: int, by_leader: bool) -> NoReturn:
+    def _end_on_stop(self, code: int, expected: int, by_leader: bool) -> NoReturn:
         """End this rank with the doctor's exit code (the leader's stop), once every rank knows."""
         self.stop_code = code
         if not by_leader:
@@ -409,7 +435,7 @@ class Watchdog(threading.Thread):
         self.verdict = data
         self.decided.set()
         if stop is not None:
-            self._stop(*stop, by_leader=True)
+            self._end_on_stop(*stop, by_leader=True)
 
 
 def _main_site() -> dict[str, Any] | None:
