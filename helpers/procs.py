@@ -128,7 +128,7 @@ class Started:
 
     def __init__(self, argvs: list[list[str]], env: dict[str, str] | None = None,
                  cwds: list[str | Path | None] | None = None):
-        self.started = time.monotonic()
+        self.t0 = time.monotonic()
         self.sinks = [tempfile.TemporaryFile() for _ in argvs]
         self.procs: list[subprocess.Popen] = []
         try:
@@ -145,11 +145,11 @@ class Started:
         trees (also on KeyboardInterrupt, re-raised). (exit code or None, output, seconds) each."""
         ended: dict[int, tuple[int | None, float]] = {}
         try:
-            deadline = self.started + timeout_s
+            deadline = self.t0 + timeout_s
             while len(ended) < len(self.procs) and time.monotonic() < deadline:
                 for index, proc in enumerate(self.procs):
                     if index not in ended and proc.poll() is not None:
-                        ended[index] = (proc.returncode, time.monotonic() - self.started)
+                        ended[index] = (proc.returncode, time.monotonic() - self.t0)
                 running = [p for i, p in enumerate(self.procs) if i not in ended]
                 if running:
                     try:  # a bounded wait on one that runs; the others are polled again after it
@@ -157,8 +157,11 @@ class Started:
                     except subprocess.TimeoutExpired:
                         pass
         finally:
+            for index, proc in enumerate(self.procs):  # reaped by the last bounded wait
+                if index not in ended and proc.poll() is not None:
+                    ended[index] = (proc.returncode, time.monotonic() - self.t0)
             outputs = self._finish(ended)
-        now = time.monotonic() - self.started
+        now = time.monotonic() - self.t0
         return [(ended[i][0] if i in ended else None, outputs[i], round(ended.get(i, (None, now))[1], 3))
                 for i in range(len(self.procs))]
 

@@ -107,8 +107,8 @@ class Board:
         """The lowest rank whose watchdog still ticks (read from the lowest up, a few at a time).
 
         This rank counts itself as ticking; ``dead`` says a rank is known gone (its process no
-        longer exists). Ranks below it are read until one is fresh, so a rank that does not lead
-        reads one heartbeat a tick, however large the job.
+        longer exists). Ranks below it are read, 8 at a time, until one is fresh, so a rank that does
+        not lead reads a few heartbeats a tick, however large the job.
         """
         below = [rank for rank in roster if rank < self.rank]
         for start in range(0, len(below), 8):
@@ -132,16 +132,22 @@ class Board:
         """Post this rank's state for request ``number``."""
         self.store.set(f"state/{self.rank}/{number}", json.dumps(state, separators=(",", ":"), default=str))
 
-    def answers(self, number: int, ranks: list[int], wait_s: float) -> dict[int, dict[str, Any]]:
-        """The states posted for request ``number`` by ``ranks``, waiting up to ``wait_s``."""
+    def answers(self, number: int, ranks: list[int], wait_s: float,
+                meanwhile: Callable[[], None] = lambda: None) -> dict[int, dict[str, Any]]:
+        """The states posted for request ``number`` by ``ranks``, waiting up to ``wait_s``;
+        ``meanwhile`` runs about every quarter second (the waiting rank's own heartbeat)."""
         keys = {rank: f"state/{rank}/{number}" for rank in ranks}
         end = time.monotonic() + wait_s
         present: list[int] = []
+        next_beat = time.monotonic() + 0.25
         while True:
             present = [rank for rank in ranks if rank in present or self.store.check([keys[rank]])]
             if len(present) == len(ranks) or time.monotonic() >= end:
                 break
-            time.sleep(0.02)  # polling the store: a bounded wait for other processes
+            if time.monotonic() >= next_beat:
+                meanwhile()
+                next_beat = time.monotonic() + 0.25
+            time.sleep(0.05)  # polling the store: a bounded wait for other processes
         found = {}
         values = self.store.multi_get([keys[rank] for rank in present]) if present else []
         for rank, value in zip(present, values, strict=True):
@@ -174,10 +180,17 @@ class Board:
         stop = posted.get("stop")
         return posted["diagnosis"], (tuple(stop) if stop else None)
 
-    def post_verdict(self, data: dict[str, Any], stop: tuple[int, int] | None) -> None:
-        """Tell every rank the diagnosis (already written to --json) and, with one key so that no
-        rank sees one without the other, the stop: every rank ends with that exit code."""
-        self.store.set("verdict", json.dumps({"diagnosis": data, "stop": stop}, default=str))
+    def post_verdict(self, data: dict[str, Any], stop: tuple[int, int] | None
+                     ) -> tuple[dict[str, Any], tuple[int, int] | None]:
+        """Tell every rank the diagnosis and, with one key so that no rank sees one without the
+        other, the stop: every rank ends with that exit code. The first verdict posted wins: returns
+        the one that stands (``data`` itself when it is this rank's) and its stop."""
+        mine = json.dumps({"diagnosis": data, "stop": stop}, default=str).encode()
+        held = self.store.compare_set("verdict", "", mine)
+        if held == mine:
+            return data, stop
+        posted = json.loads(held)
+        return posted["diagnosis"], (tuple(posted["stop"]) if posted.get("stop") else None)
 
     def stopping(self, expected: int, wait_s: float) -> bool:
         """Count this rank as ending on the stop, and wait (at most ``wait_s``) until the ``expected``

@@ -20,7 +20,7 @@ from pathlib import Path
 from helpers import cli, params, report
 from helpers.doctor import flight_recorder, pyspy
 from helpers.doctor.diagnosis import Diagnosis
-from helpers.doctor.runs import run_command
+from helpers.doctor.runs import command_problem, run_command
 from helpers.doctor.watcher import DEFAULT_STALL_S
 
 USAGE = ("usage: python -m helpers doctor --num-processes N -- script.py [args]\n"
@@ -49,7 +49,7 @@ def cli_main(argv: list[str]) -> int:
     except ValueError as exc:  # pyspy.AttachError included: bad input, permissions
         return cli.usage_error(str(exc))
     if diagnosis is None:
-        problem = _command_problem(command)
+        problem = command_problem(command)
         if problem:
             return cli.usage_error(f"{problem}\n{USAGE}")
         diagnosis = run_command(command, args.num_processes, args.stall_s, args.timeout_s,
@@ -103,16 +103,6 @@ def _finish(diagnosis: Diagnosis, json_path: str) -> int:
     return diagnosis.exit_code
 
 
-def _command_problem(command: list[str]) -> str | None:
-    if not command:
-        return "command: give the script to run after '--' (or --attach, --merge, --from-fr)"
-    if command[0] == "-m":
-        return None if len(command) > 1 else "command: '-m' needs a module name"
-    if command[0].endswith(".py") and not Path(command[0]).is_file():
-        return f"command: script {command[0]!r} not found"
-    return None
-
-
 # ---------------------------------------------------------------------------------------------
 # python -m helpers.doctor [options] train.py [args]: inside a job, or on N local ranks
 
@@ -121,6 +111,9 @@ MODULE_USAGE = ("usage: torchrun <its flags> -m helpers.doctor [--stall-s S] [--
                 "       (also under accelerate launch, and srun ... torchrun)\n"
                 "       python -m helpers.doctor --num-processes N [options] train.py [args]")
 DASHES = "after '--'"
+# Inside a job the default is long: a healthy job can hold every rank but one in a barrier for minutes
+# (accelerate's main_process_first() while rank 0 tokenises, a checkpoint saved by rank 0 only).
+DEFAULT_JOB_STALL_S = 300.0
 _VALUED = {"--stall-s", "--json", "--keep", "--on-hang", "--num-processes", "--timeout-s"}
 
 
@@ -133,7 +126,7 @@ def module_main(argv: list[str]) -> int:
     args = cli.parse(_module_parser(), options)
     if isinstance(args, int):
         return args
-    problem = _command_problem(command)
+    problem = command_problem(command)
     if problem:
         return cli.usage_error(f"{problem.replace(DASHES, 'after the options')}\n{MODULE_USAGE}")
     job = JobEnv.from_environ(os.environ)
@@ -142,16 +135,28 @@ def module_main(argv: list[str]) -> int:
             return cli.usage_error("num_processes: this runs under a launcher (RANK, WORLD_SIZE, "
                                    "MASTER_ADDR, MASTER_PORT are set), which starts the ranks; "
                                    "drop --num-processes")
-        local = ["--num-processes", str(args.num_processes), "--stall-s", str(args.stall_s),
+        stall_s = DEFAULT_STALL_S if args.stall_s is None else args.stall_s
+        local = ["--num-processes", str(args.num_processes), "--stall-s", str(stall_s),
                  "--timeout-s", str(args.timeout_s), "--json", args.json, "--keep", args.keep]
         return cli_main([*local, "--", *command])
-    if job is None:
-        return cli.usage_error("no launcher here (RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT are not set): "
-                               f"run it under torchrun or accelerate launch, or give --num-processes N\n"
-                               f"{MODULE_USAGE}")
-    run_rank(job, JobOptions(stall_s=args.stall_s, json_path=Path(args.json) if args.json else None,
+    if job is None:  # e.g. accelerate launch with a one-process config: nothing to wait for
+        print("doctor: no launcher's job here (RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT are not set): "
+              "running the script as it is, unwatched; give --num-processes N to run it on N local "
+              "ranks under the doctor", file=sys.stderr)
+        return _run_unwatched(command)
+    stall_s = DEFAULT_JOB_STALL_S if args.stall_s is None else args.stall_s
+    run_rank(job, JobOptions(stall_s=stall_s, json_path=Path(args.json) if args.json else None,
                              keep_dir=Path(args.keep) if args.keep else None, on_hang=args.on_hang),
              command)
+
+
+def _run_unwatched(command: list[str]) -> int:
+    from helpers.launch.rank import run_as_main
+
+    code, error = run_as_main(command)
+    if error is not None:
+        raise error
+    return code
 
 
 def split_command(argv: list[str]) -> tuple[list[str], list[str]]:
@@ -177,7 +182,10 @@ def _module_parser() -> argparse.ArgumentParser:
                     "stall_s seconds after the job stops making progress, and ends the job.",
         epilog="Exit: the script's own code; 3 hang, 4 crash, 5 mismatch when the doctor ends the job; "
                "2 bad usage.")
-    cli.add_param(parser, "stall_s", DEFAULT_STALL_S)
+    cli.add_param(parser, "stall_s", None)
+    spec = params.SPECS["stall_s"]
+    parser._actions[-1].help = (f"{spec.help} ({spec.accepted()}; default {DEFAULT_JOB_STALL_S:g} inside "
+                                f"a job, {DEFAULT_STALL_S:g} on local ranks)")
     parser.add_argument("--json", default="", type=cli.path_arg,
                         help="the leading rank writes the diagnosis as JSON here (relative to its "
                              "working folder; on a cluster, shared storage)")

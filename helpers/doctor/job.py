@@ -41,7 +41,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, NoReturn
 
-from helpers import report, rundir, trace
+from helpers import redact, report, rundir, trace
 from helpers.doctor.board import SILENT_S, Board, Seen
 from helpers.doctor.diagnosis import EXIT_CODES, Diagnosis, diagnose
 from helpers.doctor.records import RankView, fold
@@ -51,8 +51,11 @@ EVIDENCE_WAIT_S = 2.0  # the leader waits this long for the ranks' answers
 STOP_ACK_S = 2.0  # on a stop, each rank waits at most this long for every rank to know it
 LINGER_S = EVIDENCE_WAIT_S + SILENT_S + 4 * TICK_S  # an ended rank waits this long for a verdict
 PY_SPY_S = 2.0  # reading a silent rank of the leader's machine with py-spy
+ATEXIT_S = 5.0  # the script's exit handlers, when the doctor ends a rank from its watchdog
+STORE_FAILURES = 3  # store calls that time out in a row before a watchdog gives up
 CONNECT_S = 120.0  # reaching the job's store (hosted by rank 0 itself when there is no agent)
 KEPT_RECORDS = 256  # trace records kept for an answer
+PUNCH_BYTES = 1 << 20  # the in-memory trace gives back what was read in steps of this much
 ENDED_BADLY = ("raised", "exited")  # exit statuses that call for a diagnosis at once
 
 
@@ -102,29 +105,51 @@ def run_rank(job: JobEnv, options: JobOptions, command: list[str]) -> NoReturn:
         reader = os.open(rundir.trace_path(options.keep_dir, job.rank), os.O_RDONLY)
     watchdog = Watchdog(job, options, reader, parent)
     watchdog.start()
+    os._exit = watchdog.script_exits  # type: ignore[assignment] - a script's own os._exit says so first
     code, error = run_as_main(command)
     if error is not None:
         traceback.print_exception(error)
     watchdog.ended(_exit_record(code, error))
-    _leave(watchdog.code_after_end(code))
+    _leave(watchdog.code_after_end(code), from_main=True)
 
 
 def _exit_record(code: int, error: BaseException | None) -> dict[str, Any]:
     record: dict[str, Any] = {"ev": "exit", "t": time.time(), "code": code,
                               "status": "raised" if error else ("finished" if code == 0 else "exited")}
-    if error is not None:
-        record["error"] = f"{type(error).__name__}: {error}"[:800]
+    if isinstance(error, KeyboardInterrupt):  # Ctrl-C: stopped on purpose, not a crash to diagnose
+        record.update(status="stopped", by="Ctrl-C (KeyboardInterrupt)")
+    elif error is not None:
+        record["error"] = redact.redact_text(f"{type(error).__name__}: {error}"[:800])
         record.update(trace.traceback_site(error.__traceback__) or {})
     return record
 
 
-def _leave(code: int) -> NoReturn:
-    """End the process now: exit handlers, flushed streams, no interpreter teardown (see
-    ``helpers.launch.rank.run_command_rank``: gloo can abort in it)."""
-    atexit._run_exitfuncs()
+_EXIT = os._exit  # the real one: the script's is wrapped (``Watchdog.script_exits``)
+_LEAVING = threading.Lock()
+
+
+def _leave(code: int, from_main: bool = False) -> NoReturn:
+    """End the process: exit handlers, flushed streams, no interpreter teardown (see
+    ``helpers.launch.rank.run_command_rank``: gloo can abort in it). Once: a second caller waits.
+
+    ``from_main`` (the script ended): first wait for the script's non-daemon threads, as Python's
+    own exit does (an async checkpoint writer). From the watchdog (the doctor ends a stuck rank)
+    the exit handlers get ``ATEXIT_S``.
+    """
+    if not _LEAVING.acquire(blocking=False):
+        threading.Event().wait()  # the first caller ends the process
+    if from_main:
+        for thread in threading.enumerate():
+            if thread is not threading.current_thread() and not thread.daemon:
+                thread.join()
+        atexit._run_exitfuncs()
+    else:
+        handlers = threading.Thread(target=atexit._run_exitfuncs, daemon=True)
+        handlers.start()
+        handlers.join(ATEXIT_S)
     sys.stdout.flush()
     sys.stderr.flush()
-    os._exit(code)
+    _EXIT(code)
 
 
 class Watchdog(threading.Thread):
@@ -136,7 +161,11 @@ class Watchdog(threading.Thread):
         self.view = RankView(job.rank)
         self.records: deque = deque(maxlen=KEPT_RECORDS)
         self.host = socket.gethostname()
+        self.machine = _machine_id(self.host)  # "same machine" is this, not the host name alone
+        self.born = _create_time(os.getpid())
         self.board: Board | None = None
+        self.failures = 0  # store calls that failed in a row
+        self.punched = 0  # bytes of the in-memory trace already read and given back
         self.beats = 0
         self.exit: dict[str, Any] | None = None
         self.exit_mono: float | None = None
@@ -146,6 +175,7 @@ class Watchdog(threading.Thread):
         self.signalled: int | None = None
         self.stop_code: int | None = None  # the doctor's exit code, once a stop is under way
         self.lock = threading.Lock()
+        self.exit_posted = threading.Event()  # a heartbeat carrying this rank's end was posted
         self.wake_read, self.wake_write = os.pipe()
         os.set_blocking(self.wake_read, False)
         os.set_blocking(self.wake_write, False)
@@ -171,18 +201,34 @@ class Watchdog(threading.Thread):
 
     def _forget_in_child(self) -> None:
         """A forked child (a DataLoader worker) is not the rank: its SIGTERM is its own, not written
-        into this rank's wakeup pipe, and ends it at once, as if the doctor were not there."""
-        for undo in (lambda: signal.set_wakeup_fd(-1), lambda: signal.signal(signal.SIGTERM, signal.SIG_DFL)):
-            try:
-                undo()
-            except ValueError:  # not the main thread: signals are the main thread's to set
-                pass
+        into this rank's wakeup pipe, and ends it at once, as if the doctor were not there (what the
+        script itself set before the fork stays)."""
+        os._exit = _EXIT
+        try:
+            previous = signal.set_wakeup_fd(-1)
+            if previous != self.wake_write:
+                signal.set_wakeup_fd(previous)
+            if signal.getsignal(signal.SIGTERM) == self._on_sigterm:
+                signal.signal(signal.SIGTERM, signal.SIG_DFL)
+        except ValueError:  # not the main thread: signals are the main thread's to set
+            pass
         for fd in (self.wake_read, self.wake_write, self.trace_fd):
             try:
                 os.close(fd)
             except OSError:
                 pass
         signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGTERM})  # a pending one now ends it
+
+    def script_exits(self, code: int) -> NoReturn:
+        """The script's ``os._exit(code)``: say how this rank ends (bounded), then end it."""
+        if os.getpid() == self.pid and self.board is not None:
+            with self.lock:
+                if self.exit is None:
+                    self.exit = {"ev": "exit", "t": time.time(), "code": code,
+                                 "status": "finished" if code == 0 else "exited"}
+                    self.exit_mono = time.monotonic()
+            self.exit_posted.wait(2 * TICK_S + 1)
+        _EXIT(code)
 
     def _on_sigterm(self, signum: int, frame: Any) -> None:  # the main thread, when it can
         if os.getpid() != self.pid:  # a child forked from a thread, which kept this handler
@@ -199,23 +245,29 @@ class Watchdog(threading.Thread):
         try:
             self._connect()
         except Exception as exc:  # noqa: BLE001 - no store: the job runs unwatched, as without us
-            print(f"doctor: rank {self.job.rank} cannot reach the job's store at "
-                  f"{self.job.master_addr}:{self.job.master_port} ({exc}); this rank is not watched",
-                  file=sys.stderr)
-            self.decided.set()
-            return
+            self._give_up(f"cannot reach the job's store at {self.job.master_addr}:{self.job.master_port} "
+                          f"({exc}); this rank is not watched")
         while True:
             self._wait_tick()
             try:
                 self._tick()
+                self.failures = 0
             except Exception as exc:  # noqa: BLE001 - mostly: the store went away with its host (an agent)
-                print(f"doctor: rank {self.job.rank} stopped watching ({type(exc).__name__}: {exc}; the "
-                      f"job's store at {self.job.master_addr}:{self.job.master_port} may have gone with its "
-                      "agent)", file=sys.stderr)
-                self.decided.set()
-                if self.signalled is not None:
-                    _leave(128 + self.signalled)
-                return
+                self.failures += 1
+                if _connection_lost(exc) or self.failures >= STORE_FAILURES:
+                    where = f"{self.job.master_addr}:{self.job.master_port}"
+                    self._give_up(f"stopped watching ({type(exc).__name__}: {exc}; the job's store at "
+                                  f"{where} may have gone with its agent)")
+
+    def _give_up(self, why: str) -> NoReturn:
+        """No store: say so once, let ended ranks leave, and still end this rank on SIGTERM (the main
+        thread may wait in C++, where the Python handler never runs)."""
+        print(f"doctor: rank {self.job.rank} {why}", file=sys.stderr)
+        self.decided.set()
+        while True:
+            if self.signalled is not None:
+                _leave(self.stop_code or 128 + self.signalled)
+            self._wait_tick()
 
     def _connect(self) -> None:
         end = time.monotonic() + CONNECT_S
@@ -240,7 +292,10 @@ class Watchdog(threading.Thread):
             data = os.read(self.wake_read, 64)
         except BlockingIOError:
             return
-        if signal.SIGTERM in data and self.signalled is None:
+        # only when the handler is still the doctor's: a script's own (a checkpoint on preemption)
+        # decides for itself what SIGTERM does
+        if signal.SIGTERM in data and self.signalled is None and \
+                signal.getsignal(signal.SIGTERM) == self._on_sigterm:
             self.signalled = signal.SIGTERM
 
     def _tick(self) -> None:
@@ -249,7 +304,10 @@ class Watchdog(threading.Thread):
         self._read_own_records()
         if self.signalled is not None and self.exit is None:
             self._stopped_by_signal()
+        ending = self.exit is not None
         board.beat(self.heartbeat())
+        if ending:
+            self.exit_posted.set()
         if self.verdict is None:
             posted = board.verdict()
             if posted is not None:
@@ -262,7 +320,7 @@ class Watchdog(threading.Thread):
             board.answer(number, self.state(str(number)))
             self.answered = number
         roster = board.roster()
-        leader = board.leader(roster, lambda seen: _dead(seen, self.host))
+        leader = board.leader(roster, lambda seen: _dead(seen, self.machine))
         if leader == self.job.rank and self.verdict is None:
             self._lead(roster)
         if self.signalled is not None and (self.decided.is_set() or self._linger_over()):
@@ -273,6 +331,8 @@ class Watchdog(threading.Thread):
         while data:
             self.records.extend(fold(self.view, data))
             data = os.pread(self.trace_fd, 1 << 20, self.view.offset)
+        if self.options.keep_dir is None and self.view.offset - self.punched >= PUNCH_BYTES:
+            self.punched = _give_back(self.trace_fd, self.view.offset)
 
     # -- what this rank says ----------------------------------------------------------------
 
@@ -286,7 +346,8 @@ class Watchdog(threading.Thread):
         recent = list(self.records)[-8:]
         opened = [r for r in self.records
                   if r.get("ev") == "op" and r.get("id") in open_ids and r not in recent]
-        return {"n": self.beats, "rank": self.job.rank, "host": self.host, "pid": os.getpid(),
+        return {"n": self.beats, "rank": self.job.rank, "host": self.host, "machine": self.machine,
+                "pid": os.getpid(), "born": self.born,
                 "wait": None if since is None else round(now - since, 3),
                 "idle": None if done is None else round(now - done, 3),
                 "pending": self.view.pending_seq(), "last": self.view.last_seq(),
@@ -298,7 +359,8 @@ class Watchdog(threading.Thread):
         """This rank's answer to the leader: stack, Flight Recorder tail, latest records, end."""
         self._read_own_records()
         state = trace.rank_state(self.job.rank, request)
-        state.update(recs=list(self.records), exit=self.exit, host=self.host, pid=os.getpid())
+        state.update(recs=list(self.records), exit=self.exit, host=self.host, machine=self.machine,
+                     pid=os.getpid(), born=self.born)
         return state
 
     # -- how this rank ends -----------------------------------------------------------------
@@ -336,7 +398,7 @@ class Watchdog(threading.Thread):
             self.board.read_beats(self.board.roster())
         for rank, seen in self.board.seen.items() if self.board else ():
             beat = seen.beat
-            if beat.get("host") == self.host and not beat.get("exit") and not _alive(beat.get("pid")):
+            if beat.get("machine") == self.machine and not beat.get("exit") and not _alive(beat):
                 vanished.append(rank)
         return sorted(vanished)
 
@@ -383,14 +445,18 @@ class Watchdog(threading.Thread):
 
         for seen in self.board.read_beats(self.board.roster()).values():
             beat = seen.beat
-            if beat.get("host") == self.host and not seen.fresh() and not seen.gone \
-                    and beat.get("pid") != os.getpid() and _alive(beat.get("pid")):
+            if beat.get("machine") == self.machine and not seen.fresh() and not seen.gone \
+                    and beat.get("pid") != os.getpid() and _alive(beat):
                 procs.send_signal(int(beat["pid"]), signal.SIGKILL)
 
     def _keep_state(self) -> None:
         if self.options.keep_dir is None:
             return
-        report.atomic_write_json(rundir.state_path(self.options.keep_dir, self.job.rank), self.state("final"))
+        try:
+            path = rundir.state_path(self.options.keep_dir, self.job.rank)
+            report.atomic_write_json(path, self.state("final"))
+        except OSError as exc:
+            print(f"doctor: rank {self.job.rank} cannot keep its state: {exc}", file=sys.stderr)
 
     # -- leading ----------------------------------------------------------------------------
 
@@ -398,44 +464,61 @@ class Watchdog(threading.Thread):
         board = self.board
         beats = board.read_beats(roster)
         beats[self.job.rank] = Seen(self.heartbeat())
-        trigger = _trigger(beats, self.job.world, self.options.stall_s, self.host)
+        trigger = _trigger(beats, self.job.world, self.options.stall_s, self.machine)
         if trigger is None or not board.claim():
             return
         reason, since_s = trigger
         started = time.monotonic()
         number = board.new_request()
         self.answered = number
-        asked = [rank for rank, seen in beats.items() if rank != self.job.rank and not _dead(seen, self.host)]
-        answers = board.answers(number, asked, EVIDENCE_WAIT_S)
+        asked = [rank for rank, seen in beats.items()
+                 if rank != self.job.rank and not _dead(seen, self.machine)]
+        answers = board.answers(number, asked, EVIDENCE_WAIT_S, self._beat_while_leading)
         answers[self.job.rank] = self.state(str(number))
         beats = board.read_beats(roster)
-        stacks = _py_spy_stacks([rank for rank in asked if rank not in answers], beats, self.host)
+        stacks = _py_spy_stacks([rank for rank in asked if rank not in answers], beats, self.machine)
+        self._beat_while_leading()
         diagnosis = _diagnosis(self.job.world, reason, since_s + time.monotonic() - started, answers,
-                               beats, self.host, stacks)
+                               beats, self.machine, stacks)
         diagnosis.notes.append(f"diagnosed inside the job by rank {self.job.rank} (on {self.host}), "
                                f"through the job's store at {self.job.master_addr}:{self.job.master_port}")
         self._publish(diagnosis)
 
+    def _beat_while_leading(self) -> None:
+        """A heartbeat while gathering evidence, so that no other rank takes over meanwhile."""
+        self.board.beat(self.heartbeat())
+
     def _publish(self, diagnosis: Diagnosis) -> None:
-        """Print, write the JSON, tell every rank; then stop the job (``--on-hang stop``)."""
-        if diagnosis.verdict != "ok":
-            print(diagnosis.text(), file=sys.stderr)
+        """Tell every rank (the first verdict posted wins), print, write the JSON; then stop the job
+        (``--on-hang stop``)."""
         data = diagnosis.to_dict()
-        if self.options.json_path is not None:
-            report.atomic_write_json(self.options.json_path, data)
-        if self.options.keep_dir is not None:
-            report.atomic_write_json(rundir.diagnosis_path(self.options.keep_dir), data)
         finished = diagnosis.evidence.reason == "finished"  # each leaves with its own code (or 5)
         stop = None
         if self.options.on_hang == "stop" and not finished:
             ticking = {rank for rank, seen in self.board.seen.items() if seen.fresh()} | {self.job.rank}
             stop = (diagnosis.exit_code, len(ticking))
             self.stop_code = diagnosis.exit_code  # before any rank can leave and take this one along
-        self.board.post_verdict(data, stop)
-        self.verdict = data
+        posted, stop = self.board.post_verdict(data, stop)
+        self.verdict = posted
+        if posted is data:  # this rank's verdict: it reports it
+            self._report(diagnosis, data)
         self.decided.set()
         if stop is not None:
             self._end_on_stop(*stop, by_leader=True)
+
+    def _report(self, diagnosis: Diagnosis, data: dict[str, Any]) -> None:
+        """The diagnosis on this rank's stderr, in ``--json`` and in the ``--keep`` folder; a file that
+        cannot be written is said, and does not hold up the stop."""
+        if diagnosis.verdict != "ok":
+            print(diagnosis.text(), file=sys.stderr)
+        paths = [self.options.json_path]
+        if self.options.keep_dir is not None:
+            paths.append(rundir.diagnosis_path(self.options.keep_dir))
+        for path in filter(None, paths):
+            try:
+                report.atomic_write_json(path, data)
+            except OSError as exc:
+                print(f"doctor: cannot write the diagnosis to {path}: {exc}", file=sys.stderr)
 
 
 def _main_site() -> dict[str, Any] | None:
@@ -450,35 +533,76 @@ def _main_site() -> dict[str, Any] | None:
             "where": trace.label(code.co_filename, user.f_lineno)}
 
 
-def _alive(pid: Any) -> bool:
+def _machine_id(host: str) -> str:
+    """This machine as the doctor tells machines apart: the host name, the boot and the PID
+    namespace (two containers with host networking share a host name, not their process ids)."""
+    parts = [host]
+    for path, read in (("/proc/sys/kernel/random/boot_id", lambda p: Path(p).read_text().strip()),
+                       ("/proc/self/ns/pid", os.readlink)):
+        try:
+            parts.append(read(path))
+        except OSError:
+            parts.append("?")
+    return "/".join(parts)
+
+
+def _create_time(pid: int) -> float | None:
+    """When process ``pid`` started (psutil), so a reused pid is not taken for the rank."""
+    import psutil
+
+    try:
+        return psutil.Process(pid).create_time()
+    except psutil.Error:
+        return None
+
+
+def _alive(beat: dict[str, Any]) -> bool:
+    """The process a heartbeat names still runs (same pid and start time; on this machine)."""
+    pid = beat.get("pid")
     if not isinstance(pid, int):
         return True
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
+    born = _create_time(pid)
+    return born is not None and (beat.get("born") is None or abs(born - beat["born"]) < 0.5)
 
 
-def _dead(seen: Seen, host: str) -> bool:
+def _dead(seen: Seen, machine: str) -> bool:
     """Known gone: it said so, or it is on this machine and its process no longer exists."""
-    return seen.gone or (seen.beat.get("host") == host and not _alive(seen.beat.get("pid")))
+    return seen.gone or (seen.beat.get("machine") == machine and not _alive(seen.beat))
+
+
+def _connection_lost(error: Exception) -> bool:
+    """A store error that will not heal: the connection itself is gone (not a slow reply)."""
+    import torch.distributed as dist
+
+    return isinstance(error, (ConnectionError, dist.DistNetworkError)) or "Broken pipe" in str(error)
+
+
+def _give_back(fd: int, offset: int) -> int:
+    """Free the memory of the in-memory trace up to ``offset`` (already read): Linux's fallocate
+    PUNCH_HOLE, the file's size unchanged. Returns the offset freed up to."""
+    import ctypes
+
+    start = offset - offset % 4096
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.fallocate(fd, 0x01 | 0x02, ctypes.c_long(0), ctypes.c_long(start))  # KEEP_SIZE | PUNCH_HOLE
+    except (OSError, AttributeError):
+        pass
+    return start
 
 
 # ---------------------------------------------------------------------------------------------
 # the leader's judgement (pure, on heartbeats)
 
 
-def _trigger(beats: dict[int, Seen], world: int, stall_s: float, host: str) -> tuple[str, float] | None:
+def _trigger(beats: dict[int, Seen], world: int, stall_s: float, machine: str) -> tuple[str, float] | None:
     """Why the leader should diagnose now, and since when (seconds), or None."""
     ends = {rank: seen.beat.get("exit") or {} for rank, seen in beats.items()}
     for rank, end in ends.items():
         if end.get("status") in ENDED_BADLY or end.get("orphaned"):  # orphaned: a lost node
             return "failure", (beats[rank].beat.get("ended_ago") or 0.0) + beats[rank].age()
     vanished = {r for end in ends.values() for r in end.get("gone") or []}
-    vanished |= {rank for rank, seen in beats.items() if not ends[rank] and _dead(seen, host)}
+    vanished |= {rank for rank, seen in beats.items() if not ends[rank] and _dead(seen, machine)}
     if vanished:
         return "failure", 0.0
     if len(beats) == world and all(end.get("status") == "finished" for end in ends.values()):
@@ -498,25 +622,32 @@ def _trigger(beats: dict[int, Seen], world: int, stall_s: float, host: str) -> t
     return ("stall", max(stalled)) if stalled else None
 
 
-def _py_spy_stacks(ranks: list[int], beats: dict[int, Seen], host: str) -> dict[int, list[dict[str, Any]]]:
-    """The stacks of this machine's ranks that did not answer, read with py-spy (their Python cannot
-    run, but py-spy reads its memory); none where py-spy may not (ptrace rights) or cannot."""
+def _py_spy_stacks(ranks: list[int], beats: dict[int, Seen], machine: str) -> dict[int, list[dict[str, Any]]]:
+    """The stacks of this machine's ranks that did not answer, read with py-spy in parallel (their
+    Python cannot run, but py-spy reads its memory); none where py-spy may not (ptrace rights)."""
+    from concurrent.futures import ThreadPoolExecutor
+
     from helpers.doctor import pyspy
 
-    stacks = {}
-    for rank in ranks:
-        beat = beats[rank].beat if rank in beats else {}
-        if beat.get("host") != host or not isinstance(beat.get("pid"), int) or not _alive(beat["pid"]):
-            continue
+    local = {rank: beats[rank].beat["pid"] for rank in ranks if rank in beats
+             and beats[rank].beat.get("machine") == machine and isinstance(beats[rank].beat.get("pid"), int)
+             and _alive(beats[rank].beat)}
+
+    def read(pid: int) -> list[dict[str, Any]] | None:
         try:
-            stacks[rank] = [f for f in pyspy.dump_stack(beat["pid"], timeout_s=PY_SPY_S) if not f["native"]]
+            return [f for f in pyspy.dump_stack(pid, timeout_s=PY_SPY_S) if not f["native"]]
         except (ValueError, OSError):  # AttachError (no ptrace rights, no py-spy) included
-            continue
-    return stacks
+            return None
+
+    if not local:
+        return {}
+    with ThreadPoolExecutor(max_workers=min(8, len(local))) as pool:
+        found = dict(zip(local, pool.map(read, local.values()), strict=True))
+    return {rank: frames for rank, frames in found.items() if frames is not None}
 
 
 def _diagnosis(world: int, reason: str, since_s: float, answers: dict[int, dict[str, Any]],
-               beats: dict[int, Seen], host: str,
+               beats: dict[int, Seen], machine: str,
                stacks: dict[int, list[dict[str, Any]]] | None = None) -> Diagnosis:
     """Views from the answers (or the last heartbeat of a rank that did not answer, with its stack
     from py-spy when ``stacks`` has it), diagnosed."""
@@ -529,7 +660,7 @@ def _diagnosis(world: int, reason: str, since_s: float, answers: dict[int, dict[
         elif seen is not None:
             view = _view(rank, seen.beat, {"stack": [seen.beat["site"]] if seen.beat.get("site") else [],
                                            "progress": seen.beat.get("progress") or {}, "fr": []})
-            dead = rank in vanished or _dead(seen, host) and not seen.beat.get("exit")
+            dead = rank in vanished or (_dead(seen, machine) and not seen.beat.get("exit"))
             if dead and not seen.beat.get("exit"):
                 view.exit, view.ended, view.exit_code = {"ev": "exit", "status": "vanished"}, True, None
                 view.state["stack"] = []  # where it was a tick before it died: no evidence of its end

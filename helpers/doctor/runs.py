@@ -187,7 +187,7 @@ class Job:
         for name in (rundir.ENV_PARENT, rundir.ENV_DIR, rundir.ENV_RANK):
             env.pop(name, None)
         try:
-            self.started = procs.Started(commands, env, node_dirs)
+            self.processes = procs.Started(commands, env, node_dirs)
         except BaseException:
             self.scratch.cleanup()
             raise
@@ -195,12 +195,12 @@ class Job:
     @property
     def agents(self) -> list[Any]:
         """The agents' processes (``subprocess.Popen``), one per node."""
-        return self.started.procs
+        return self.processes.procs
 
     def wait(self, timeout_s: float) -> JobRun:
         """Wait for every agent (stopping them all with their trees past ``timeout_s``); the outcome."""
         try:
-            ended = self.started.wait(timeout_s)
+            ended = self.processes.wait(timeout_s)
         finally:
             self.scratch.cleanup()
         outputs = [output for _code, output, _s in ended]
@@ -219,9 +219,16 @@ def start_job(command: Sequence[str], folder: str | Path, nodes: int = 2, per_no
     """Start ``command`` as a ``nodes`` x ``per_node`` job on this machine under the doctor (see
     ``run_job``); the caller must ``wait()`` on it."""
     from helpers import params
-
     stall_s = params.check("stall_s", stall_s)
     on_hang = params.check("on_hang", on_hang)
+    for name, value in (("nodes", nodes), ("per_node", per_node)):
+        if not isinstance(value, int) or isinstance(value, bool) or not 1 <= value <= 64:
+            raise ValueError(f"{name}: {value!r} is not an integer in 1..64")
+    if launcher not in LAUNCHERS:
+        raise ValueError(f"launcher: {launcher!r} is not one of {', '.join(LAUNCHERS)}")
+    problem = command_problem(list(command))
+    if problem:
+        raise ValueError(problem.replace("after '--'", "as the command"))
     folder = Path(folder)
     node_dirs = [folder / f"node{node}" for node in range(nodes)]
     for node_dir in node_dirs:
@@ -232,3 +239,14 @@ def start_job(command: Sequence[str], folder: str | Path, nodes: int = 2, per_no
     commands = job_commands(command, nodes, per_node, procs.free_port(), options, launcher)
     extra = {"ACCELERATE_USE_CPU": "true"} if launcher == "accelerate" else {}
     return Job(commands, node_dirs, {**extra, **(env or {})})
+
+
+def command_problem(command: list[str]) -> str | None:
+    """What is wrong with a command to run (no script, a missing script), or None."""
+    if not command:
+        return "command: give the script to run after '--' (or --attach, --merge, --from-fr)"
+    if command[0] == "-m":
+        return None if len(command) > 1 else "command: '-m' needs a module name"
+    if command[0].endswith(".py") and not Path(command[0]).is_file():
+        return f"command: script {command[0]!r} not found"
+    return None

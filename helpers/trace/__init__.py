@@ -57,25 +57,21 @@ __all__ = ["FR_BUFFER_SIZE", "FR_STACK_TRACE", "FR_TAIL", "POLL_S", "STACKS_REQU
            "user_frame", "write_state"]
 
 FR_BUFFER_SIZE = "256"  # Flight Recorder entries kept per rank (unless the user set a size)
-# The Flight Recorder gathers a Python stack for every entry unless told not to: about 15 us of CPU
-# (30 us wall) per collective on gloo, more than the whole Python wrapper. The doctor takes the
-# user's line from the tracer's own records and reads no FR frames of a traced rank, so it turns
-# the capture off unless the user chose (TORCH_INCLUDE_STACK_TRACE=1 keeps frames in FR dumps).
+# The Flight Recorder gathers a stack for every entry unless told not to: about 15 us of CPU (30 us
+# wall) per collective on gloo, more than the whole Python wrapper. TORCH_INCLUDE_STACK_TRACE=0 cuts
+# that cost (torch 2.13 still keeps a few frames per entry in its dumps). The doctor takes the
+# user's line from the tracer's own records and reads no FR frames of a traced rank, so it sets 0
+# unless the user chose.
 FR_STACK_TRACE = "0"
 
 
 def install(run_dir: str | Path | None, rank: int) -> Tracer:
     """Trace this rank's torch.distributed calls into ``run_dir``; call before user code runs.
 
-<<<<<<< HEAD
-    Also turns on torch's Flight Recorder (unless the user chose a buffer size) and starts the
-    helper thread. ``run_dir`` None (the doctor inside a job): the records stay in memory (the
-    tracer's ``fd``) and no state file is written. Safe to call once per process; returns the tracer.
-=======
-    Also turns on torch's Flight Recorder (unless the user chose a buffer size), without its
-    per-entry stack capture (unless the user chose, see ``FR_STACK_TRACE``), and starts the helper
-    thread. Safe to call once per process; returns the tracer.
->>>>>>> perf
+    Also turns on torch's Flight Recorder (unless the user chose a buffer size), with its per-entry
+    stack capture cut down (unless the user chose, see ``FR_STACK_TRACE``), and starts the helper
+    thread. ``run_dir`` None (the doctor inside a job): the records stay in memory (the tracer's
+    ``fd``) and no state file is written. Safe to call once per process; returns the tracer.
     """
     if _tracing.current is not None:
         return _tracing.current
