@@ -143,6 +143,12 @@ def test_a_forked_child_stopped_with_sigterm_is_not_its_rank(script, tmp_path, l
     leftovers.check()
 
 
+def test_a_scripts_own_sigterm_handler_decides_what_sigterm_does(script, tmp_path, leftovers):
+    outcome = _run(script, tmp_path, "own-term")
+    assert outcome.agent_codes == [0, 0], outcome.outputs[1][-3000:]
+    leftovers.check()
+
+
 def test_a_script_that_ends_with_os_exit_is_a_healthy_end(script, tmp_path, leftovers):
     # os._exit skips Python's teardown: the doctor still hears how each rank ended (no "killed")
     outcome = _run(script, tmp_path, "os-exit")

@@ -4,7 +4,7 @@ torchrun's agent (also under ``accelerate launch`` and ``srun ... torchrun``) ho
 MASTER_ADDR:MASTER_PORT that outlives the ranks; the ranks' process group uses it too. The doctor
 keeps its keys under ``helpers-doctor/<run id>/<restart>/`` so they never meet torch's::
 
-    roster          "0,1,3,": the ranks whose watchdog started (appended)
+    roster          "0,1,3,": the ranks whose watchdog started (appended); roster_n: how many
     hb/<rank>       a rank's heartbeat (JSON): a counter, host and pid, where it is, how long it has
                     waited, its open collectives' records, and how it ended
     claim           the rank that is diagnosing now
@@ -58,6 +58,7 @@ class Board:
     def __init__(self, store: Any, rank: int):
         self.store, self.rank = store, rank
         self.seen: dict[int, Seen] = {}
+        self._roster: list[int] = []
 
     @classmethod
     def connect(cls, host: str, port: int, run_id: str, restart: str, rank: int,
@@ -76,11 +77,14 @@ class Board:
         a heartbeat to read)."""
         self.beat(heartbeat)
         self.store.append("roster", f"{self.rank},")
+        self.store.add("roster_n", 1)
 
     def roster(self) -> list[int]:
-        """The ranks whose watchdog started, sorted."""
-        text = self.store.get("roster").decode()
-        return sorted({int(part) for part in text.split(",") if part})
+        """The ranks whose watchdog started, sorted (read again only when their count changed)."""
+        if int(self.store.add("roster_n", 0)) != len(self._roster):
+            text = self.store.get("roster").decode()
+            self._roster = sorted({int(part) for part in text.split(",") if part})
+        return self._roster
 
     def beat(self, heartbeat: dict[str, Any]) -> None:
         """Post this rank's heartbeat."""

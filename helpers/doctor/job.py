@@ -16,14 +16,19 @@ doctor (``diagnose()``), when
 - every rank finished: their collectives are compared (a mismatch exits 5).
 
 It asks every rank for its state (main-thread stack, Flight Recorder tail, latest records), waits
-at most ``EVIDENCE_WAIT_S``, names the ranks that did not answer (native code holding the GIL, or
-dead) from their last heartbeat, prints the diagnosis on its stderr and writes the JSON
-(``--json``, the doctor's schema). With ``--on-hang stop`` (the default) every rank then ends with
-the doctor's exit code (3 hang, 4 crash, 5 mismatch), so every node's agent stops within seconds.
+at most ``EVIDENCE_WAIT_S`` (beating meanwhile, so nobody takes over), reads the ranks of its own
+machine that did not answer with py-spy (``PY_SPY_S``; native code holding the GIL), places the
+others from their last heartbeat, prints the diagnosis on its stderr and writes the JSON
+(``--json``, the doctor's schema). The first verdict posted wins. With ``--on-hang stop`` (the
+default) every rank then ends with the doctor's exit code (3 hang, 4 crash, 5 mismatch) once every
+rank that still ticks knows it, so every node's agent stops within seconds.
 
 A rank stopped by SIGTERM (its agent tearing the job down, or its agent gone: the parent-death
 signal) says so in its heartbeat and names the ranks of its machine that vanished without a word,
-then leaves; the leader judges those as killed (e.g. by the OOM killer).
+then leaves; the leader judges those as killed (e.g. by the OOM killer). A script's own SIGTERM
+handler decides for itself; a script's ``os._exit`` first says how the rank ended; forked children
+(DataLoader workers) keep none of this. "This machine" is the host name, the boot and the PID
+namespace; a pid is the rank's only with the rank's start time.
 """
 
 from __future__ import annotations
