@@ -408,10 +408,12 @@ class Watchdog(threading.Thread):
         return sorted(vanished)
 
     def _linger_over(self) -> bool:
-        if self.exit_mono is None:
+        """May a rank stopped by SIGTERM leave? At once, unless ranks of its machine vanished without
+        a word (then it waits, at most ``LINGER_S``, for the leader to diagnose them)."""
+        if self.exit is None or self.exit_mono is None:
             return True
-        nobody_gone = not self.exit.get("gone") and not self._vanished_here() if self.exit else True
-        return nobody_gone or time.monotonic() - self.exit_mono >= LINGER_S
+        someone_vanished = bool(self.exit.get("gone")) or bool(self._vanished_here())
+        return not someone_vanished or time.monotonic() - self.exit_mono >= LINGER_S
 
     def _leave_on_signal(self) -> NoReturn:
         self._final_beat()
