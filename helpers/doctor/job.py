@@ -273,6 +273,20 @@ class Watchdog(threading.Thread):
             if self.signalled is not None:
                 _leave(self.stop_code or 128 + self.signalled)
             self._wait_tick()
+            self._end_if_stalled_alone()
+
+    def _end_if_stalled_alone(self) -> None:
+        """The store was lost (its host, the first node's agent, ended: that node's ranks went with
+        it): a rank that has waited ``stall_s`` in a collective ends itself (``--on-hang stop``), as
+        nobody can diagnose or finish the job now, rather than wait for torch's timeout."""
+        if self.options.on_hang != "stop" or self.board is None:  # never connected: not ours to end
+            return
+        self._read_own_records()
+        since = self.view.waiting_since()
+        if since is not None and time.time() - since >= self.options.stall_s:
+            print(f"doctor: rank {self.job.rank} has waited {time.time() - since:.0f} s in a collective and "
+                  f"the job's store is gone: ending it (exit {EXIT_CODES['crash']})", file=sys.stderr)
+            _leave(EXIT_CODES["crash"])
 
     def _connect(self) -> None:
         end = time.monotonic() + CONNECT_S
