@@ -20,7 +20,7 @@ import psutil
 import pytest
 
 from helpers import doctor, scenarios
-from helpers.doctor import EXIT_CODES, job, runs
+from helpers.doctor import EXIT_CODES, job, leader, runs
 from helpers.doctor.board import Board
 
 FIXTURE = Path(__file__).parent / "fixtures" / "job" / "job_script.py"
@@ -180,7 +180,7 @@ def test_a_rank_whose_python_cannot_answer_is_named_after_a_bounded_wait(script,
     assert any("rank 3 did not answer" in note and "GIL" in note for note in data["notes"])
     if any("py-spy" in note for note in data["notes"]):  # root here; ptrace rights elsewhere
         assert data["per_rank"][3]["location"] == _line("gil")
-    assert data["detected_after_s"] <= STALL_S + job.EVIDENCE_WAIT_S + job.PY_SPY_S + 1
+    assert data["detected_after_s"] <= STALL_S + leader.EVIDENCE_WAIT_S + leader.PY_SPY_S + 1
     assert max(outcome.agent_seconds) < 60  # not torchrun's 30 s SIGTERM grace on top of it
     leftovers.check()
 
@@ -348,9 +348,9 @@ def test_without_ptrace_rights_a_silent_rank_keeps_its_heartbeat_position(tmp_pa
     # the leader may not read a rank it does not own with py-spy: no stack, no error, no hang
     sleeper = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
     try:
-        code = (f"import socket\nfrom helpers.doctor import job\nfrom helpers.doctor.board import Seen\n"
-                f"beats = {{3: Seen({{'host': socket.gethostname(), 'pid': {sleeper.pid}}})}}\n"
-                f"print(job._py_spy_stacks([3], beats, socket.gethostname()))\n")
+        code = (f"import socket\nfrom helpers.doctor import leader\nfrom helpers.doctor.board import Seen\n"
+                f"beats = {{3: Seen({{'machine': 'here', 'pid': {sleeper.pid}}})}}\n"
+                f"print(leader.py_spy_stacks([3], beats, 'here'))\n")
         done = subprocess.run(["setpriv", "--reuid=65534", "--regid=65534", "--clear-groups", sys.executable,
                                "-c", code], capture_output=True, text=True, timeout=60, cwd="/",
                               env={**os.environ, "HOME": "/"})

@@ -9,10 +9,14 @@ A pipeline by file, like torch's Flight Recorder analyzer:
 - ``runs``: launching under the doctor (``launch``, ``run_function``, ``run_command``, torchrun);
 - ``postmortem``: ``diagnose_dir`` on a kept folder; ``swimlane``: the plot; ``cli``: the command;
 - collectors for jobs the doctor did not start: ``pyspy`` (``attach``: py-spy on running ranks; ``merge`` of
-  many nodes) and ``flight_recorder`` (torch's Flight Recorder dumps).
+  many nodes) and ``flight_recorder`` (torch's Flight Recorder dumps);
+- inside a job (``torchrun ... -m helpers.doctor train.py``): ``job`` (each rank's bootstrap and
+  watchdog), ``leader`` (when to diagnose, and from what), ``board`` (the doctor's keys in the job's
+  c10d store); ``runs.run_job`` runs such a job on one machine.
 
 Kinds (stable names): ok, collective-mismatch, shape-mismatch, rank-missing, rank-exited, unknown.
-CLI: ``python -m helpers doctor --num-processes N -- script.py [args]`` (exit 0/3/4/5, 2 on usage).
+CLI: ``python -m helpers doctor --num-processes N -- script.py [args]`` (exit 0/3/4/5, 2 on usage);
+inside a job: ``torchrun <flags> -m helpers.doctor [--stall-s S] [--json PATH] train.py [args]``.
 """
 
 from helpers.doctor.cli import cli_main

@@ -48,20 +48,27 @@ from typing import Any, NoReturn
 
 from helpers import redact, report, rundir, trace
 from helpers.doctor.board import SILENT_S, Board, Seen
-from helpers.doctor.diagnosis import EXIT_CODES, Diagnosis, diagnose
+from helpers.doctor.diagnosis import EXIT_CODES, Diagnosis
+from helpers.doctor.leader import (
+    EVIDENCE_WAIT_S,
+    create_time,
+    diagnose_answers,
+    is_gone,
+    machine_id,
+    py_spy_stacks,
+    should_diagnose,
+    still_runs,
+)
 from helpers.doctor.records import RankView, fold
 
 TICK_S = 0.25  # how often a watchdog posts its heartbeat and reads the leader's keys
-EVIDENCE_WAIT_S = 2.0  # the leader waits this long for the ranks' answers
 STOP_ACK_S = 2.0  # on a stop, each rank waits at most this long for every rank to know it
 LINGER_S = EVIDENCE_WAIT_S + SILENT_S + 4 * TICK_S  # an ended rank waits this long for a verdict
-PY_SPY_S = 2.0  # reading a silent rank of the leader's machine with py-spy
 ATEXIT_S = 5.0  # the script's exit handlers, when the doctor ends a rank from its watchdog
 STORE_FAILURES = 3  # store calls that time out in a row before a watchdog gives up
 CONNECT_S = 120.0  # reaching the job's store (hosted by rank 0 itself when there is no agent)
 KEPT_RECORDS = 256  # trace records kept for an answer
 PUNCH_BYTES = 1 << 20  # the in-memory trace gives back what was read in steps of this much
-ENDED_BADLY = ("raised", "exited")  # exit statuses that call for a diagnosis at once
 
 
 @dataclass
@@ -166,8 +173,8 @@ class Watchdog(threading.Thread):
         self.view = RankView(job.rank)
         self.records: deque = deque(maxlen=KEPT_RECORDS)
         self.host = socket.gethostname()
-        self.machine = _machine_id(self.host)  # "same machine" is this, not the host name alone
-        self.born = _create_time(os.getpid())
+        self.machine = machine_id(self.host)  # "same machine" is this, not the host name alone
+        self.born = create_time(os.getpid())
         self.board: Board | None = None
         self.failures = 0  # store calls that failed in a row
         self.punched = 0  # bytes of the in-memory trace already read and given back
@@ -339,7 +346,7 @@ class Watchdog(threading.Thread):
             board.answer(number, self.state(str(number)))
             self.answered = number
         roster = board.roster()
-        leader = board.leader(roster, lambda seen: _dead(seen, self.machine))
+        leader = board.leader(roster, lambda seen: is_gone(seen, self.machine))
         if leader == self.job.rank and self.verdict is None:
             self._lead(roster)
         if self.signalled is not None and (self.decided.is_set() or self._linger_over()):
@@ -417,7 +424,7 @@ class Watchdog(threading.Thread):
             self.board.read_beats(self.board.roster())
         for rank, seen in self.board.seen.items() if self.board else ():
             beat = seen.beat
-            if beat.get("machine") == self.machine and not beat.get("exit") and not _alive(beat):
+            if beat.get("machine") == self.machine and not beat.get("exit") and not still_runs(beat):
                 vanished.append(rank)
         return sorted(vanished)
 
@@ -467,7 +474,7 @@ class Watchdog(threading.Thread):
         for seen in self.board.read_beats(self.board.roster()).values():
             beat = seen.beat
             if beat.get("machine") == self.machine and not seen.fresh() and not seen.gone \
-                    and beat.get("pid") != os.getpid() and _alive(beat):
+                    and beat.get("pid") != os.getpid() and still_runs(beat):
                 procs.send_signal(int(beat["pid"]), signal.SIGKILL)
 
     def _keep_state(self) -> None:
@@ -485,7 +492,7 @@ class Watchdog(threading.Thread):
         board = self.board
         beats = board.read_beats(roster)
         beats[self.job.rank] = Seen(self.heartbeat())
-        trigger = _trigger(beats, self.job.world, self.options.stall_s, self.machine)
+        trigger = should_diagnose(beats, self.job.world, self.options.stall_s, self.machine)
         if trigger is None or not board.claim():
             return
         reason, since_s = trigger
@@ -493,13 +500,13 @@ class Watchdog(threading.Thread):
         number = board.new_request()
         self.answered = number
         asked = [rank for rank, seen in beats.items()
-                 if rank != self.job.rank and not _dead(seen, self.machine)]
+                 if rank != self.job.rank and not is_gone(seen, self.machine)]
         answers = board.answers(number, asked, EVIDENCE_WAIT_S, self._beat_while_leading)
         answers[self.job.rank] = self.state(str(number))
         beats = board.read_beats(roster)
-        stacks = _py_spy_stacks([rank for rank in asked if rank not in answers], beats, self.machine)
+        stacks = py_spy_stacks([rank for rank in asked if rank not in answers], beats, self.machine)
         self._beat_while_leading()
-        diagnosis = _diagnosis(self.job.world, reason, since_s + time.monotonic() - started, answers,
+        diagnosis = diagnose_answers(self.job.world, reason, since_s + time.monotonic() - started, answers,
                                beats, self.machine, stacks)
         diagnosis.notes.append(f"diagnosed inside the job by rank {self.job.rank} (on {self.host}), "
                                f"through the job's store at {self.job.master_addr}:{self.job.master_port}")
@@ -554,43 +561,6 @@ def _main_site() -> dict[str, Any] | None:
             "where": trace.label(code.co_filename, user.f_lineno)}
 
 
-def _machine_id(host: str) -> str:
-    """This machine as the doctor tells machines apart: the host name, the boot and the PID
-    namespace (two containers with host networking share a host name, not their process ids)."""
-    parts = [host]
-    for path, read in (("/proc/sys/kernel/random/boot_id", lambda p: Path(p).read_text().strip()),
-                       ("/proc/self/ns/pid", os.readlink)):
-        try:
-            parts.append(read(path))
-        except OSError:
-            parts.append("?")
-    return "/".join(parts)
-
-
-def _create_time(pid: int) -> float | None:
-    """When process ``pid`` started (psutil), so a reused pid is not taken for the rank."""
-    import psutil
-
-    try:
-        return psutil.Process(pid).create_time()
-    except psutil.Error:
-        return None
-
-
-def _alive(beat: dict[str, Any]) -> bool:
-    """The process a heartbeat names still runs (same pid and start time; on this machine)."""
-    pid = beat.get("pid")
-    if not isinstance(pid, int):
-        return True
-    born = _create_time(pid)
-    return born is not None and (beat.get("born") is None or abs(born - beat["born"]) < 0.5)
-
-
-def _dead(seen: Seen, machine: str) -> bool:
-    """Known gone: it said so, or it is on this machine and its process no longer exists."""
-    return seen.gone or (seen.beat.get("machine") == machine and not _alive(seen.beat))
-
-
 def _connection_lost(error: Exception) -> bool:
     """A store error that will not heal: the connection itself is gone (not a slow reply)."""
     import torch.distributed as dist
@@ -610,108 +580,3 @@ def _give_back(fd: int, offset: int) -> int:
     except (OSError, AttributeError):
         pass
     return start
-
-
-# ---------------------------------------------------------------------------------------------
-# the leader's judgement (pure, on heartbeats)
-
-
-def _trigger(beats: dict[int, Seen], world: int, stall_s: float, machine: str) -> tuple[str, float] | None:
-    """Why the leader should diagnose now, and since when (seconds), or None."""
-    ends = {rank: seen.beat.get("exit") or {} for rank, seen in beats.items()}
-    for rank, end in ends.items():
-        if end.get("status") in ENDED_BADLY or end.get("orphaned"):  # orphaned: a lost node
-            return "failure", (beats[rank].beat.get("ended_ago") or 0.0) + beats[rank].age()
-    vanished = {r for end in ends.values() for r in end.get("gone") or []}
-    vanished |= {rank for rank, seen in beats.items() if not ends[rank] and _dead(seen, machine)}
-    if vanished:
-        return "failure", 0.0
-    if len(beats) == world and all(end.get("status") == "finished" for end in ends.values()):
-        return "finished", 0.0
-    running = {rank: seen for rank, seen in beats.items() if not ends[rank]}
-    for rank, end in ends.items():
-        if end.get("status") != "finished":
-            continue
-        last = beats[rank].beat.get("last") or 0
-        if any((seen.beat.get("pending") or 0) > last for seen in running.values()):
-            return "exited", 0.0
-    idle = min((seen.beat["idle"] + seen.age() for seen in running.values()
-                if seen.beat.get("idle") is not None), default=float("inf"))
-    stalls = [min(seen.beat["wait"] + seen.age(), idle) for seen in running.values()
-              if seen.beat.get("wait") is not None]
-    stalled = [s for s in stalls if s >= stall_s]
-    return ("stall", max(stalled)) if stalled else None
-
-
-def _py_spy_stacks(ranks: list[int], beats: dict[int, Seen], machine: str) -> dict[int, list[dict[str, Any]]]:
-    """The stacks of this machine's ranks that did not answer, read with py-spy in parallel (their
-    Python cannot run, but py-spy reads its memory); none where py-spy may not (ptrace rights)."""
-    from concurrent.futures import ThreadPoolExecutor
-
-    from helpers.doctor import pyspy
-
-    local = {rank: beats[rank].beat["pid"] for rank in ranks if rank in beats
-             and beats[rank].beat.get("machine") == machine and isinstance(beats[rank].beat.get("pid"), int)
-             and _alive(beats[rank].beat)}
-
-    def read(pid: int) -> list[dict[str, Any]] | None:
-        try:
-            return [f for f in pyspy.dump_stack(pid, timeout_s=PY_SPY_S) if not f["native"]]
-        except (ValueError, OSError):  # AttachError (no ptrace rights, no py-spy) included
-            return None
-
-    if not local:
-        return {}
-    with ThreadPoolExecutor(max_workers=min(8, len(local))) as pool:
-        found = dict(zip(local, pool.map(read, local.values()), strict=True))
-    return {rank: frames for rank, frames in found.items() if frames is not None}
-
-
-def _diagnosis(world: int, reason: str, since_s: float, answers: dict[int, dict[str, Any]],
-               beats: dict[int, Seen], machine: str,
-               stacks: dict[int, list[dict[str, Any]]] | None = None) -> Diagnosis:
-    """Views from the answers (or the last heartbeat of a rank that did not answer, with its stack
-    from py-spy when ``stacks`` has it), diagnosed."""
-    views, notes = {}, []
-    vanished = {r for seen in beats.values() for r in (seen.beat.get("exit") or {}).get("gone") or []}
-    for rank in range(world):
-        seen = beats.get(rank)
-        if rank in answers:
-            views[rank] = _view(rank, answers[rank], answers[rank])
-        elif seen is not None:
-            view = _view(rank, seen.beat, {"stack": [seen.beat["site"]] if seen.beat.get("site") else [],
-                                           "progress": seen.beat.get("progress") or {}, "fr": []})
-            dead = rank in vanished or (_dead(seen, machine) and not seen.beat.get("exit"))
-            if dead and not seen.beat.get("exit"):
-                view.exit, view.ended, view.exit_code = {"ev": "exit", "status": "vanished"}, True, None
-                view.state["stack"] = []  # where it was a tick before it died: no evidence of its end
-                notes.append(f"rank {rank} ended without a word (no exception, no exit code): killed "
-                             "by a signal, e.g. SIGKILL from the OOM killer; its agent's log has the signal")
-            elif not seen.beat.get("exit") and rank in (stacks or {}):
-                view.state["stack"] = stacks[rank]
-                notes.append(f"rank {rank} did not answer in {EVIDENCE_WAIT_S:.0f} s (native code holding "
-                             "the GIL): its stack was read with py-spy")
-            elif not seen.beat.get("exit"):
-                notes.append(f"rank {rank} did not answer in {EVIDENCE_WAIT_S:.0f} s (native code holding "
-                             f"the GIL, or a machine that stopped); where it was is from its heartbeat "
-                             f"{seen.age():.1f} s old")
-            views[rank] = view
-    diagnosis = diagnose(views, world, reason, round(since_s, 3))
-    diagnosis.notes.extend(notes)
-    return diagnosis
-
-
-def _view(rank: int, source: dict[str, Any], state: dict[str, Any]) -> RankView:
-    view = RankView(rank)
-    for record in source.get("recs") or []:
-        try:
-            view.apply(record)
-        except (KeyError, TypeError):
-            continue
-    if source.get("progress"):
-        view.apply({"ev": "pg", "pg": source["progress"], "t": time.time()})
-    view.state = {key: state.get(key) for key in ("stack", "progress", "fr")}
-    end = source.get("exit")
-    if end:
-        view.exit, view.ended, view.exit_code = end, True, end.get("code")
-    return view

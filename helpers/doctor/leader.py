@@ -1,0 +1,161 @@
+"""The leader's judgement inside a job (``helpers.doctor.job``): pure functions on heartbeats and
+answers, plus what "this machine" and "still alive" mean.
+
+``trigger`` says whether, and since when, the leading rank should diagnose; ``diagnosis`` builds
+``RankView``s from the ranks' answers (or the last heartbeat of a rank that did not answer, its stack
+read with py-spy when ``py_spy_stacks`` could) and calls the doctor's ``diagnose()``.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from pathlib import Path
+from typing import Any
+
+from helpers.doctor.board import Seen
+from helpers.doctor.diagnosis import Diagnosis, diagnose
+from helpers.doctor.records import RankView
+
+EVIDENCE_WAIT_S = 2.0  # the leader waits this long for the ranks' answers
+PY_SPY_S = 2.0  # reading a silent rank of the leader's machine with py-spy
+ENDED_BADLY = ("raised", "exited")  # exit statuses that call for a diagnosis at once
+
+
+def machine_id(host: str) -> str:
+    """This machine as the doctor tells machines apart: the host name, the boot and the PID
+    namespace (two containers with host networking share a host name, not their process ids)."""
+    parts = [host]
+    for path, read in (("/proc/sys/kernel/random/boot_id", lambda p: Path(p).read_text().strip()),
+                       ("/proc/self/ns/pid", os.readlink)):
+        try:
+            parts.append(read(path))
+        except OSError:
+            parts.append("?")
+    return "/".join(parts)
+
+
+def create_time(pid: int) -> float | None:
+    """When process ``pid`` started (psutil), so a reused pid is not taken for the rank."""
+    import psutil
+
+    try:
+        return psutil.Process(pid).create_time()
+    except psutil.Error:
+        return None
+
+
+def still_runs(beat: dict[str, Any]) -> bool:
+    """The process a heartbeat names still runs (same pid and start time; on this machine)."""
+    pid = beat.get("pid")
+    if not isinstance(pid, int):
+        return True
+    born = create_time(pid)
+    return born is not None and (beat.get("born") is None or abs(born - beat["born"]) < 0.5)
+
+
+def is_gone(seen: Seen, machine: str) -> bool:
+    """Known gone: it said so, or it is on this machine and its process no longer exists."""
+    return seen.gone or (seen.beat.get("machine") == machine and not still_runs(seen.beat))
+
+
+def should_diagnose(beats: dict[int, Seen], world: int, stall_s: float,
+                    machine: str) -> tuple[str, float] | None:
+    """Why the leader should diagnose now, and since when (seconds), or None."""
+    ends = {rank: seen.beat.get("exit") or {} for rank, seen in beats.items()}
+    for rank, end in ends.items():
+        if end.get("status") in ENDED_BADLY or end.get("orphaned"):  # orphaned: a lost node
+            return "failure", (beats[rank].beat.get("ended_ago") or 0.0) + beats[rank].age()
+    vanished = {r for end in ends.values() for r in end.get("gone") or []}
+    vanished |= {rank for rank, seen in beats.items() if not ends[rank] and is_gone(seen, machine)}
+    if vanished:
+        return "failure", 0.0
+    if len(beats) == world and all(end.get("status") == "finished" for end in ends.values()):
+        return "finished", 0.0
+    running = {rank: seen for rank, seen in beats.items() if not ends[rank]}
+    for rank, end in ends.items():
+        if end.get("status") != "finished":
+            continue
+        last = beats[rank].beat.get("last") or 0
+        if any((seen.beat.get("pending") or 0) > last for seen in running.values()):
+            return "exited", 0.0
+    idle = min((seen.beat["idle"] + seen.age() for seen in running.values()
+                if seen.beat.get("idle") is not None), default=float("inf"))
+    stalls = [min(seen.beat["wait"] + seen.age(), idle) for seen in running.values()
+              if seen.beat.get("wait") is not None]
+    stalled = [s for s in stalls if s >= stall_s]
+    return ("stall", max(stalled)) if stalled else None
+
+
+def py_spy_stacks(ranks: list[int], beats: dict[int, Seen], machine: str) -> dict[int, list[dict[str, Any]]]:
+    """The stacks of this machine's ranks that did not answer, read with py-spy in parallel (their
+    Python cannot run, but py-spy reads its memory); none where py-spy may not (ptrace rights)."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from helpers.doctor import pyspy
+
+    local = {rank: beats[rank].beat["pid"] for rank in ranks if rank in beats
+             and beats[rank].beat.get("machine") == machine and isinstance(beats[rank].beat.get("pid"), int)
+             and still_runs(beats[rank].beat)}
+
+    def read(pid: int) -> list[dict[str, Any]] | None:
+        try:
+            return [f for f in pyspy.dump_stack(pid, timeout_s=PY_SPY_S) if not f["native"]]
+        except (ValueError, OSError):  # AttachError (no ptrace rights, no py-spy) included
+            return None
+
+    if not local:
+        return {}
+    with ThreadPoolExecutor(max_workers=min(8, len(local))) as pool:
+        found = dict(zip(local, pool.map(read, local.values()), strict=True))
+    return {rank: frames for rank, frames in found.items() if frames is not None}
+
+
+def diagnose_answers(world: int, reason: str, since_s: float, answers: dict[int, dict[str, Any]],
+               beats: dict[int, Seen], machine: str,
+               stacks: dict[int, list[dict[str, Any]]] | None = None) -> Diagnosis:
+    """Views from the answers (or the last heartbeat of a rank that did not answer, with its stack
+    from py-spy when ``stacks`` has it), diagnosed."""
+    views, notes = {}, []
+    vanished = {r for seen in beats.values() for r in (seen.beat.get("exit") or {}).get("gone") or []}
+    for rank in range(world):
+        seen = beats.get(rank)
+        if rank in answers:
+            views[rank] = view_from(rank, answers[rank], answers[rank])
+        elif seen is not None:
+            view = view_from(rank, seen.beat, {"stack": [seen.beat["site"]] if seen.beat.get("site") else [],
+                                           "progress": seen.beat.get("progress") or {}, "fr": []})
+            dead = rank in vanished or (is_gone(seen, machine) and not seen.beat.get("exit"))
+            if dead and not seen.beat.get("exit"):
+                view.exit, view.ended, view.exit_code = {"ev": "exit", "status": "vanished"}, True, None
+                view.state["stack"] = []  # where it was a tick before it died: no evidence of its end
+                notes.append(f"rank {rank} ended without a word (no exception, no exit code): killed "
+                             "by a signal, e.g. SIGKILL from the OOM killer; its agent's log has the signal")
+            elif not seen.beat.get("exit") and rank in (stacks or {}):
+                view.state["stack"] = stacks[rank]
+                notes.append(f"rank {rank} did not answer in {EVIDENCE_WAIT_S:.0f} s (native code holding "
+                             "the GIL): its stack was read with py-spy")
+            elif not seen.beat.get("exit"):
+                notes.append(f"rank {rank} did not answer in {EVIDENCE_WAIT_S:.0f} s (native code holding "
+                             f"the GIL, or a machine that stopped); where it was is from its heartbeat "
+                             f"{seen.age():.1f} s old")
+            views[rank] = view
+    diagnosis = diagnose(views, world, reason, round(since_s, 3))
+    diagnosis.notes.extend(notes)
+    return diagnosis
+
+
+def view_from(rank: int, source: dict[str, Any], state: dict[str, Any]) -> RankView:
+    view = RankView(rank)
+    for record in source.get("recs") or []:
+        try:
+            view.apply(record)
+        except (KeyError, TypeError):
+            continue
+    if source.get("progress"):
+        view.apply({"ev": "pg", "pg": source["progress"], "t": time.time()})
+    view.state = {key: state.get(key) for key in ("stack", "progress", "fr")}
+    end = source.get("exit")
+    if end:
+        view.exit, view.ended, view.exit_code = end, True, end.get("code")
+    return view
