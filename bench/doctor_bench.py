@@ -5,9 +5,10 @@
    timeout (30 min gloo, 10 min NCCL) and what ``TORCH_DISTRIBUTED_DEBUG=DETAIL`` reports under
    plain torchrun (run with a 10 s process-group timeout so the bench ends; wall seconds include
    about as much start-up as the doctor's run).
-2. Tracer overhead on 2 gloo ranks: interleaved blocks of untraced, traced and untraced all_reduces
-   of 4 KiB and 1 MiB in the same ranks: traced/untraced next to untraced/untraced (the noise
-   floor). The Flight Recorder (on in those blocks) is measured the same way at launch granularity.
+2. Tracer overhead on 2 gloo ranks, each pinned to a core of its own (unpinned, the noise floor
+   swung 0.69-1.14 on a 2-core VM): interleaved blocks of untraced, traced and untraced
+   all_reduces of 4 KiB and 1 MiB in the same ranks: traced/untraced next to untraced/untraced (the
+   noise floor). The Flight Recorder (on in those blocks) is measured the same way at launch granularity.
 3. The wrapper's own CPU time per call, on one rank (target <= 20 microseconds).
 
 Run: .venv/bin/python bench/doctor_bench.py [--quick] [--overhead-only]  (the latter: section 2 alone)
@@ -108,6 +109,7 @@ def _timed_blocks(sizes: dict[str, int], blocks: int, calls: int, toggle: bool) 
     from helpers import trace
     from helpers.trace.helper import Helper
 
+    os.sched_setaffinity(0, {dist.get_rank() % os.cpu_count()})  # one core per rank: less noise
     tracer = trace.install(os.environ["TMPDIR"], dist.get_rank()) if toggle else None
     modes = (["untraced", "traced", "untraced again", "busy", "helper off"] if toggle
              else ["untraced", "untraced again"])
