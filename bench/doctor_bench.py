@@ -109,7 +109,8 @@ def _timed_blocks(sizes: dict[str, int], blocks: int, calls: int, toggle: bool) 
     from helpers import trace
     from helpers.trace.helper import Helper
 
-    os.sched_setaffinity(0, {dist.get_rank() % os.cpu_count()})  # one core per rank: less noise
+    cores = sorted(os.sched_getaffinity(0))
+    os.sched_setaffinity(0, {cores[dist.get_rank() % len(cores)]})  # one core per rank: less noise
     tracer = trace.install(os.environ["TMPDIR"], dist.get_rank()) if toggle else None
     modes = (["untraced", "traced", "untraced again", "busy", "helper off"] if toggle
              else ["untraced", "untraced again"])
