@@ -26,6 +26,8 @@ import ast
 import re
 from typing import Any
 
+from helpers.audit.rules import ABSENT, lookup
+
 COLLECT_ENV = "torch collect_env"
 ACCELERATE_ENV = "accelerate env"
 UNKNOWN_WORDS = {"could not collect", "not found", "n/a", "unknown", ""}
@@ -339,12 +341,12 @@ def merge_into(facts: dict[str, Any], more: dict[str, Any], provenance: dict[str
         if dotted == "partial":
             facts["partial"] = sorted(set(facts.get("partial", [])) | set(value))
             continue
-        current = _lookup(facts, dotted)
-        if current is not _ABSENT and current != value and _comparable(dotted, current, value):
+        current = lookup(facts, dotted)
+        if current is not ABSENT and current != value and _comparable(dotted, current, value):
             was = provenance.get(dotted, "an earlier file")
             raise ValueError(f"{where} says {dotted} = {value!r}, but {was} says {current!r}: are "
                              "they of one machine, and of the same moment?")
-        if current is _ABSENT or current is None:
+        if current is ABSENT or current is None:
             _set(facts, dotted, value)
         source = _source_of(dotted, more_provenance)
         if source is not None:
@@ -370,17 +372,3 @@ def _comparable(dotted: str, current: Any, value: Any) -> bool:
     return True
 
 
-class _Absent:
-    pass
-
-
-_ABSENT = _Absent()
-
-
-def _lookup(facts: dict[str, Any], dotted: str) -> Any:
-    node: Any = facts
-    for key in dotted.split("."):
-        if not isinstance(node, dict) or key not in node:
-            return _ABSENT
-        node = node[key]
-    return node

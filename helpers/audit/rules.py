@@ -112,14 +112,27 @@ def rule(code: str) -> Callable[[Check], Rule]:
     return register
 
 
-def get(facts: dict[str, Any], dotted: str, default: Any = None) -> Any:
-    """``facts['a']['b']`` for ``'a.b'``; ``default`` when any step is missing or not a dict."""
+class _Absent:
+    """What ``lookup`` returns for a fact that is not there (None is a value: "none")."""
+
+
+ABSENT = _Absent()
+
+
+def lookup(facts: dict[str, Any], dotted: str) -> Any:
+    """``facts['a']['b']`` for ``'a.b'``; ``ABSENT`` when any step is missing or not a dict."""
     value: Any = facts
     for key in dotted.split("."):
         if not isinstance(value, dict) or key not in value:
-            return default
+            return ABSENT
         value = value[key]
-    return default if value is None else value
+    return value
+
+
+def get(facts: dict[str, Any], dotted: str, default: Any = None) -> Any:
+    """``facts['a']['b']`` for ``'a.b'``; ``default`` when any step is missing or not a dict."""
+    value = lookup(facts, dotted)
+    return default if value is ABSENT or value is None else value
 
 
 def known(facts: dict[str, Any], dotted: str) -> bool:
@@ -133,12 +146,7 @@ def known(facts: dict[str, Any], dotted: str) -> bool:
             return False
         items = get(facts, head, [])
         return all(key in item for item in items if isinstance(item, dict))
-    value: Any = facts
-    for key in dotted.split("."):
-        if not isinstance(value, dict) or key not in value:
-            return False
-        value = value[key]
-    return True
+    return lookup(facts, dotted) is not ABSENT
 
 
 def missing(facts: dict[str, Any], *dotted: str) -> list[str]:
