@@ -6,6 +6,7 @@ import json
 import os
 import signal
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -43,9 +44,34 @@ def _many_ops():
     except (ValueError, RuntimeError):
         pass
     dist.barrier()  # line: barrier
-    if rank == 1:
-        os.kill(os.getpid(), signal.SIGKILL)  # its records must survive this
+    if rank == 1:  # no flush asked for: the helper thread writes the queue within FLUSH_S
+        _wait_until(lambda: _ended_on_file(rank, "barrier"), "rank 1's barrier ended")
+        os.kill(os.getpid(), signal.SIGKILL)  # what is on file must survive this
     return gathered
+
+
+def _records_on_file(rank: int) -> list[dict]:
+    """Inside a traced rank: the complete records in ``rank``'s trace file so far."""
+    from helpers import rundir
+    from helpers.trace import tracer
+
+    text = rundir.trace_path(tracer.current.run_dir, rank).read_text()
+    return [json.loads(line) for line in text.split("\n")[:-1]]
+
+
+def _ended_on_file(rank: int, op: str) -> bool:
+    records = _records_on_file(rank)
+    ids = {r["id"] for r in records if r["ev"] == "op" and r["op"] == op}
+    return any(r["ev"] == "end" and r["id"] in ids for r in records)
+
+
+def _wait_until(condition, what: str, within_s: float = 10.0) -> None:
+    """Poll ``condition`` until it holds; past ``within_s`` it is a failure."""
+    deadline = time.monotonic() + within_s
+    while not condition():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"not within {within_s} s: {what}")
+        time.sleep(0.005)
 
 
 def test_records_every_call_once_with_site_shapes_and_outcome(tmp_path, leftovers):
@@ -74,6 +100,49 @@ def test_records_every_call_once_with_site_shapes_and_outcome(tmp_path, leftover
     found = json.loads((tmp_path / "diagnosis.json").read_text())
     assert (found["kind"], found["ranks"]) == ("rank-exited", [1])
     leftovers.check()
+
+
+def _killed_as_a_slow_call_returns():
+    import torch.distributed as dist
+
+    rank = dist.get_rank()
+    if rank == 1:  # rank 0's barrier is on file while it waits for this rank
+        _wait_until(lambda: any(r["ev"] == "op" and r["op"] == "barrier" for r in _records_on_file(0)),
+                    "rank 0's barrier on file while it waits")
+    dist.barrier()
+    if rank == 0:
+        os.kill(os.getpid(), signal.SIGKILL)  # at once: its barrier must not read as still running
+
+
+def test_a_call_on_file_while_it_runs_has_its_end_written_as_it_returns(tmp_path, leftovers):
+    with pytest.raises(RankExited):
+        launch(_killed_as_a_slow_call_returns, num_processes=2, timeout_s=60,
+               watchers=[doctor.Doctor(30, keep_dir=tmp_path)])
+    records = [json.loads(line) for line in (tmp_path / "trace-0.jsonl").read_text().splitlines()]
+    barrier = next(r for r in records if r["ev"] == "op" and r["op"] == "barrier")
+    assert any(r["ev"] == "end" and r["id"] == barrier["id"] and r["ok"] for r in records), records
+    leftovers.check()
+
+
+def test_queued_records_are_written_in_order_without_a_helper_thread(tmp_path):
+    import torch.distributed as dist
+
+    from helpers.trace.tracer import QUEUE_MAX, Tracer, _Plan
+
+    tracer = Tracer(tmp_path, 0)  # no helper thread, no process group
+    plan = _Plan("barrier", dist.barrier)
+    try:
+        for _ in range(QUEUE_MAX):  # each call queues two records: past QUEUE_MAX the caller writes
+            tracer.call("barrier", lambda *args, **kwargs: None, (), {}, plan)
+        on_file = (tmp_path / "trace-0.jsonl").read_text().splitlines()
+        assert len(on_file) > QUEUE_MAX
+        tracer.flush()
+        records = [json.loads(line) for line in (tmp_path / "trace-0.jsonl").read_text().splitlines()]
+    finally:
+        os.close(tracer.fd)
+    assert [(r["ev"], r["id"]) for r in records] == [(ev, i) for i in range(1, QUEUE_MAX + 1)
+                                                     for ev in ("op", "end")]
+    assert records[0]["op"] == "barrier" and records[0]["seq"] is None  # no group: no number
 
 
 def test_tracer_leaves_results_unchanged(leftovers):

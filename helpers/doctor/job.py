@@ -353,6 +353,7 @@ class Watchdog(threading.Thread):
             self._leave_on_signal()
 
     def _read_own_records(self) -> None:
+        trace.flush()  # the calls the helper thread has not written yet
         data = os.pread(self.trace_fd, 1 << 20, self.view.offset)
         while data:
             self.records.extend(fold(self.view, data))

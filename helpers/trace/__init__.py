@@ -13,7 +13,11 @@
   * on request (a line written to the FIFO ``ctl-<rank>``) writes ``state-<rank>.json``: the main
     thread's Python stack and the Flight Recorder's latest entries.
 
-Records are appended with one ``os.write`` each, so they survive the rank being killed.
+The calling thread queues each call's record; the helper thread writes the queue every
+``FLUSH_S`` (what costs is the record's text after a collective, not the write: see
+``helpers.trace.tracer``). What is written survives the rank being killed; a call that outlasts a
+flush is on file while it runs; an exception or an exit writes the queue first; a rank killed
+outright (SIGKILL) loses at most its last ``FLUSH_S`` of calls.
 The call site is the first frame outside torch, accelerate, helpers and the standard library;
 ``__main__`` (the script being run) and ``helpers.scenarios`` are user code; a function defined in
 a notebook cell shows as ``Cell In[n], line m``.
@@ -49,11 +53,11 @@ from helpers.trace.helper import (
     rank_state,
     write_state,
 )
-from helpers.trace.tracer import Tracer
+from helpers.trace.tracer import FLUSH_S, Tracer
 
-__all__ = ["FR_BUFFER_SIZE", "FR_STACK_TRACE", "FR_TAIL", "POLL_S", "STACKS_REQUEST", "Tracer", "ask",
-           "describe_stack", "dump_stacks", "finish", "flight_recorder", "flight_recorder_tail",
-           "group_progress", "install", "is_user_frame", "label", "rank_state", "traceback_site",
+__all__ = ["FLUSH_S", "FR_BUFFER_SIZE", "FR_STACK_TRACE", "FR_TAIL", "POLL_S", "STACKS_REQUEST", "Tracer",
+           "ask", "describe_stack", "dump_stacks", "finish", "flight_recorder", "flight_recorder_tail",
+           "flush", "group_progress", "install", "is_user_frame", "label", "rank_state", "traceback_site",
            "user_frame", "write_state"]
 
 FR_BUFFER_SIZE = "256"  # Flight Recorder entries kept per rank (unless the user set a size)
@@ -85,6 +89,13 @@ def install(run_dir: str | Path | None, rank: int) -> Tracer:
     tracer.helper.start()
     _tracing.current = tracer
     return tracer
+
+
+def flush() -> None:
+    """Write this process's queued records now (nothing when no tracer is installed)."""
+    tracer = _tracing.current
+    if tracer is not None:
+        tracer.flush()
 
 
 def finish(status: str, error: BaseException | None = None) -> None:

@@ -47,16 +47,21 @@ def _cell_name(filename: str) -> str | None:
     return f"{named[0]} {named[1]}, line " if named else None
 
 
-_sites: dict[tuple[Any, int], str] = {}
+_sites: dict[tuple[int, int], tuple[Any, str]] = {}  # (id(code), line) -> (code, text)
 
 
 def site_json(code: Any, line: int) -> str:
-    """``,"file":...,"line":...,"func":...,"where":...`` for a call site (cached per code and line)."""
-    site = _sites.get((code, line))
-    if site is None:
-        site = (f',"file":{json.dumps(code.co_filename)},"line":{line},"func":{json.dumps(code.co_name)},'
-                f'"where":{json.dumps(label(code.co_filename, line))}')
-        _sites[(code, line)] = site
+    """``,"file":...,"line":...,"func":...,"where":...`` for a call site (cached per code and line).
+
+    Keyed by the code object's id, kept alive in the entry: hashing a code object hashes its
+    constants, nested functions' code included, at every call.
+    """
+    cached = _sites.get((id(code), line))
+    if cached is not None and cached[0] is code:
+        return cached[1]
+    site = (f',"file":{json.dumps(code.co_filename)},"line":{line},"func":{json.dumps(code.co_name)},'
+            f'"where":{json.dumps(label(code.co_filename, line))}')
+    _sites[(id(code), line)] = (code, site)
     return site
 
 

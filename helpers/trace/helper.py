@@ -1,7 +1,8 @@
-"""A traced rank's helper thread: progress notes, and state dumps and stacks on request.
+"""A traced rank's helper thread: the records' writer, progress notes, state dumps and stacks.
 
-It notes the process groups' progress (torch's Flight Recorder: last collective enqueued and
-completed) every ``POLL_S``; on a request line written to the FIFO ``ctl-<rank>`` it writes
+It writes the tracer's queued records every ``FLUSH_S`` (``helpers.trace.tracer``); it notes the
+process groups' progress (torch's Flight Recorder: last collective enqueued and completed) every
+``POLL_S``; on a request line written to the FIFO ``ctl-<rank>`` it writes
 ``state-<rank>.json`` (the main thread's Python stack and the Flight Recorder's latest entries),
 or, for ``STACKS_REQUEST``, appends every thread's stack to ``stack-<rank>.txt`` holding the GIL.
 The Flight Recorder also records collectives issued from C++ (DDP's broadcasts in ``forward()``
@@ -22,6 +23,7 @@ from typing import Any
 
 from helpers import rundir
 from helpers.trace.callsites import describe_stack
+from helpers.trace.tracer import FLUSH_S
 
 POLL_S = 0.2  # how often the helper thread notes the process groups' progress
 STACKS_REQUEST = "stacks"  # the request line for every thread's stack (others ask for a state)
@@ -106,11 +108,16 @@ class Helper(threading.Thread):
         pending = b""
         motion: tuple = ()
         still_since, written = time.time(), False
+        next_poll = 0.0
         while not self.stopping.is_set():
             watched = [self.wake_read] + ([self.fifo] if self.fifo is not None else [])
-            ready = [fd for fd in select.select(watched, [], [], POLL_S)[0] if fd == self.fifo]
+            ready = [fd for fd in select.select(watched, [], [], FLUSH_S)[0] if fd == self.fifo]
             if self.stopping.is_set():
                 break
+            self.tracer.flush()
+            if not ready and time.monotonic() < next_poll:
+                continue
+            next_poll = time.monotonic() + POLL_S
             progress = group_progress()
             if progress and progress != last:
                 self.tracer.write({"ev": "pg", "t": time.time(), "pg": progress})

@@ -1,13 +1,23 @@
 """The tracer: wraps torch.distributed's Python-level operations and records each call.
 
-Each outermost call appends two records to ``trace-<rank>.jsonl`` (``helpers.rundir``): the op,
-the process group and torch's sequence number in it, the input shapes and dtypes, the user's call
-site and start time; then its end (completed or raised). Records are appended with one
-``os.write`` each, so they survive the rank being killed. The ops are ``helpers.collectives.OPS``.
+Each outermost call makes two records in ``trace-<rank>.jsonl`` (``helpers.rundir``): the op, the
+process group and torch's sequence number in it, the input shapes and dtypes, the user's call site
+and start time; then its end (completed or raised). The ops are ``helpers.collectives.OPS``.
+
+The calling thread only notes what it must read at call time (the sequence number, the call site,
+the clock) on a queue; the helper thread (``helpers.trace.helper``) writes the queue out every
+``FLUSH_S``, in one ``os.write``. Formatting the records after each collective cost three to five
+times what it costs in a batch: a collective leaves the processor's caches cold, and a record
+touches many Python objects (bench/doctor_bench.py). What is written survives the rank being
+killed, and the file never shows a call as still running once it has returned: a call that lasts
+longer than a flush has its start on file while it runs, and its end is written as it returns.
+A rank killed outright (SIGKILL) loses its last ``FLUSH_S`` of calls at most; an exception, an
+exit and every other record write the queue out first.
 """
 
 from __future__ import annotations
 
+import collections
 import functools
 import inspect
 import itertools
@@ -23,6 +33,11 @@ from typing import Any
 from helpers import rundir
 from helpers.collectives import MULTI_OPS, OPS, P2P_OPS
 from helpers.trace.callsites import site_json, user_frame
+
+FLUSH_S = 0.05  # the helper thread writes the queued records this often
+QUEUE_MAX = 2048  # queued records past which the calling thread writes them itself (no helper)
+_OP, _END = 0, 1  # queued tuples: (_OP, id, name, plan, args, kwargs, group, seq, blocking, code,
+#                   line, t) and (_END, id, t, seq_end); anything else queued is a record dict
 
 
 class Tracer:
@@ -42,23 +57,48 @@ class Tracer:
         self.originals: dict[tuple[Any, str], Callable] = {}
         self.calls = 0  # Python-level calls started or ended (the helper sees motion)
         self.open_sync = 0  # blocking calls in progress
+        self.queue: collections.deque = collections.deque()  # records not written yet, in order
+        self.lock = threading.Lock()  # one writer at a time
+        self.started_on_file = 0  # the highest op id whose start record has left the queue
 
     def write(self, record: dict[str, Any]) -> None:
-        """Append one record (one ``os.write``: it survives the process being killed)."""
-        os.write(self.fd, (json.dumps(record, separators=(",", ":"), default=str) + "\n").encode())
+        """Write the queue, then ``record`` (it is on file when this returns)."""
+        with self.lock:
+            self._drain([json.dumps(record, separators=(",", ":"), default=str) + "\n"])
+
+    def flush(self) -> None:
+        """Write the queued records out (the helper thread does every ``FLUSH_S``)."""
+        with self.lock:
+            self._drain([])
+
+    def _drain(self, after: list[str]) -> None:
+        """Holding ``lock``: format the queue in order and append it, then ``after``, in one write."""
+        texts = []
+        queue = self.queue
+        while queue:
+            try:
+                item = queue.popleft()
+            except IndexError:  # another thread emptied it (a forked child's copy)
+                break
+            if type(item) is tuple and item[0] == _OP:
+                self.started_on_file = item[1]  # first: the caller checks it after queueing the end
+            texts.append(_record_text(item))
+        texts += after
+        if texts:
+            _write_all(self.fd, "".join(texts).encode())
 
     def call(self, name: str, fn: Callable, args: tuple, kwargs: dict, plan: _Plan) -> Any:
         """Record and run one outermost torch.distributed call.
 
-        The hot path: records are JSON written with preformatted pieces (``json.dumps`` per call
-        would triple the wrapper's cost), one ``os.write`` each.
+        The hot path: it queues what only the moment of the call knows (the group's sequence
+        number, the user's line, the clock) and keeps the arguments for the record's text.
         """
         op_id = next(self.ids)
-        fields, blocking, seq = plan.describe(args, kwargs)
+        group, seq, blocking = plan.capture(args, kwargs)
         frame = user_frame(sys._getframe(2))
-        site = site_json(frame.f_code, frame.f_lineno) if frame is not None else ""
-        os.write(self.fd, f'{{"ev":"op","id":{op_id},"op":"{name}",{fields}{site},"t":{time.time()!r}}}\n'
-                 .encode())
+        code, line = (frame.f_code, frame.f_lineno) if frame is not None else (None, 0)
+        queue = self.queue
+        queue.append((_OP, op_id, name, plan, args, kwargs, group, seq, blocking, code, line, time.time()))
         self.calls += 1
         self.open_sync += blocking
         try:
@@ -72,18 +112,24 @@ class Tracer:
             self.open_sync -= blocking
         if not blocking and result is not None:
             self._watch_async(op_id, result)
-        elif plan.multi and seq is not None:
-            self.write({"ev": "end", "id": op_id, "t": time.time(), "ok": True,
-                        "seq_end": plan.sequence(args, kwargs)})
-        else:
-            os.write(self.fd, f'{{"ev":"end","id":{op_id},"t":{time.time()!r},"ok":true}}\n'.encode())
+            return result
+        seq_end = plan.sequence(args, kwargs) if plan.multi and seq is not None else None
+        queue.append((_END, op_id, time.time(), seq_end))
+        self._ended(op_id)
         return result
 
+    def _ended(self, op_id: int) -> None:
+        """An end was queued: write it now if the start is on file (no call shows as running
+        after it returned) or is being written; else when the queue is long (no helper thread)."""
+        if self.started_on_file >= op_id or self.lock.locked() or len(self.queue) > QUEUE_MAX:
+            self.flush()
+
     def _watch_async(self, op_id: int, work: Any) -> None:
-        self.write({"ev": "enq", "id": op_id, "t": time.time()})
+        self.queue.append({"ev": "enq", "id": op_id, "t": time.time()})
         try:
             future = work.get_future()
         except Exception:  # noqa: BLE001 - gloo's p2p work has no future: enqueue is all we know
+            self._ended(op_id)
             return
 
         def done(fut: Any) -> None:
@@ -95,9 +141,16 @@ class Tracer:
             record = {"ev": "end", "id": op_id, "t": time.time(), "ok": error is None}
             if error:
                 record["error"] = error
-            self.write(record)
+            self.queue.append(record)
+            self._ended(op_id)
 
         future.add_done_callback(done)
+
+    def forget_queue(self) -> None:
+        """In a forked child: the queued records are the parent's to write, and the lock may have
+        been held by a thread that does not exist here."""
+        self.queue.clear()
+        self.lock = threading.Lock()
 
     def patch(self) -> None:
         """Wrap the operations in ``torch.distributed`` and ``distributed_c10d`` (internal calls too)."""
@@ -121,8 +174,36 @@ class Tracer:
         self.originals.clear()
 
 
+def _write_all(fd: int, data: bytes) -> None:
+    view = memoryview(data)
+    while view:
+        view = view[os.write(fd, view):]
+
+
+def _record_text(item: Any) -> str:
+    """One queued item as its record's JSON line."""
+    if type(item) is not tuple:
+        return json.dumps(item, separators=(",", ":"), default=str) + "\n"
+    if item[0] == _END:
+        _kind, op_id, t, seq_end = item
+        extra = "" if seq_end is None else f',"seq_end":{seq_end}'
+        return f'{{"ev":"end","id":{op_id},"t":{t!r},"ok":true{extra}}}\n'
+    _kind, op_id, name, plan, args, kwargs, group, seq, blocking, code, line, t = item
+    site = site_json(code, line) if code is not None else ""
+    return (f'{{"ev":"op","id":{op_id},"op":"{name}",{plan.fields(args, kwargs, group, seq, blocking)}'
+            f'{site},"t":{t!r}}}\n')
+
+
 current: Tracer | None = None  # the tracer of this process, once installed
 _local = threading.local()
+
+
+def _forget_in_child() -> None:
+    if current is not None:
+        current.forget_queue()
+
+
+os.register_at_fork(after_in_child=_forget_in_child)
 
 
 def _wrap(name: str, original: Callable, plan: _Plan) -> Callable:
@@ -157,34 +238,31 @@ class _Plan:
         """torch's sequence number of the group the call uses (collectives and p2p both count)."""
         return _sequence(_argument(args, kwargs, self.group))
 
-    def describe(self, args: tuple, kwargs: dict) -> tuple[str, bool, int | None]:
-        """The call's record fields as JSON text (group, sequence number, shapes, dtypes, peer,
-        async flag), whether it blocks, and its sequence number.
-
-        Only the sequence number is new at every call: the group's name and the shapes' text are
-        cached (a training loop repeats the same few shapes), which halves this function's cost.
-        """
+    def capture(self, args: tuple, kwargs: dict) -> tuple[Any, int | None, bool]:
+        """What only the moment of the call knows: the group, the sequence number the call will
+        take in it, and whether it blocks."""
         group = _argument(args, kwargs, self.group)
         seq = _sequence(group)
-        seq = None if seq is None else seq + 1
+        return group, None if seq is None else seq + 1, not _argument(args, kwargs, self.async_op)
+
+    def fields(self, args: tuple, kwargs: dict, group: Any, seq: int | None, blocking: bool) -> str:
+        """The call's record fields as JSON text: group, sequence number, shapes, dtypes, peer and
+        async flag (the group's name and the shapes' text are cached: a loop repeats a few)."""
         fields = f'"pg":"{_group_name(group)}","seq":{"null" if seq is None else seq}'
         if self.p2p:
             fields += ',"p2p":true'
         fields += _tensors_json(_argument(args, kwargs, self.compared))
         if self.peer is not None:
             fields += f',"peer":{json.dumps(_argument(args, kwargs, self.peer))}'
-        blocking = not _argument(args, kwargs, self.async_op)
         if not blocking:
             fields += ',"async":true'
-        return fields, blocking, seq
+        return fields
 
 
 def _sequence(group: Any) -> int | None:
     try:
-        if group is None:
-            group = _default_group()
-        return group._get_sequence_number_for_group()
-    except Exception:  # noqa: BLE001 - no group yet: torch will raise its own error
+        return (_default_group() if group is None else group)._get_sequence_number_for_group()
+    except Exception:  # noqa: BLE001 - no group yet (None): torch will raise its own error
         return None
 
 
@@ -227,16 +305,25 @@ def _dtype_json(dtype: Any) -> str:
     return text
 
 
-_c10d: Any = None
+_world: Any = None  # torch's record of the default group (distributed_c10d._world)
 
 
 def _default_group() -> Any:
-    global _c10d
-    if _c10d is None:
+    """The default process group (None before ``init_process_group``).
+
+    Read straight from torch's ``_world._default_pg`` where it exists: ``_get_default_group()``
+    costs three Python calls, and this runs at every traced call.
+    """
+    global _world
+    if _world is None:
         import torch.distributed.distributed_c10d as c10d
 
-        _c10d = c10d
-    return _c10d._get_default_group()
+        _world = c10d._world if hasattr(c10d._world, "_default_pg") else False
+    if _world is False:  # another torch: its public spelling
+        import torch.distributed.distributed_c10d as c10d
+
+        return c10d.GroupMember.WORLD
+    return _world._default_pg
 
 
 def _argument(args: tuple, kwargs: dict, where: tuple[int, str] | None) -> Any:
