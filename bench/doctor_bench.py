@@ -109,8 +109,7 @@ def _timed_blocks(sizes: dict[str, int], blocks: int, calls: int, toggle: bool) 
     from helpers import trace
     from helpers.trace.helper import Helper
 
-    cores = sorted(os.sched_getaffinity(0))
-    os.sched_setaffinity(0, {cores[dist.get_rank() % len(cores)]})  # one core per rank: less noise
+    _pin_rank(dist.get_rank())
     tracer = trace.install(os.environ["TMPDIR"], dist.get_rank()) if toggle else None
     modes = (["untraced", "traced", "untraced again", "busy", "helper off"] if toggle
              else ["untraced", "untraced again"])
@@ -129,11 +128,24 @@ def _timed_blocks(sizes: dict[str, int], blocks: int, calls: int, toggle: bool) 
                     if busy:
                         _spin(busy)
                     dist.all_reduce(tensor)
+                if mode == "traced":  # the block's records written in it, not in the next block
+                    trace.flush()
                 times[f"{name} {mode}"].append(time.perf_counter() - started)
     if tracer is not None:
         _set_helper(tracer, Helper, on=True)
         trace.finish("finished")
     return times
+
+
+def _pin_rank(rank: int) -> None:
+    """Every thread of this rank (gloo's too, and those started later) on one core of its own."""
+    cores = sorted(os.sched_getaffinity(0))
+    core = {cores[rank % len(cores)]}
+    for task in os.listdir("/proc/self/task"):
+        try:
+            os.sched_setaffinity(int(task), core)
+        except OSError:  # a thread that just ended
+            pass
 
 
 def _set_helper(tracer: object, helper_class: type, on: bool) -> None:

@@ -131,13 +131,17 @@ def test_queued_records_are_written_in_order_without_a_helper_thread(tmp_path):
 
     tracer = Tracer(tmp_path, 0)  # no helper thread, no process group
     plan = _Plan("barrier", dist.barrier)
+    path = tmp_path / "trace-0.jsonl"
+    on_file = []
     try:
-        for _ in range(QUEUE_MAX):  # each call queues two records: past QUEUE_MAX the caller writes
+        for number in range(QUEUE_MAX):  # two records a call: past QUEUE_MAX the caller writes
             tracer.call("barrier", lambda *args, **kwargs: None, (), {}, plan)
-        on_file = (tmp_path / "trace-0.jsonl").read_text().splitlines()
-        assert len(on_file) > QUEUE_MAX
+            if number < 2:
+                on_file.append(len(path.read_text().splitlines()))
+        assert on_file == [2, 2]  # the first call from a line is on file at once, the next is queued
+        assert len(path.read_text().splitlines()) > QUEUE_MAX
         tracer.flush()
-        records = [json.loads(line) for line in (tmp_path / "trace-0.jsonl").read_text().splitlines()]
+        records = [json.loads(line) for line in path.read_text().splitlines()]
     finally:
         os.close(tracer.fd)
     assert [(r["ev"], r["id"]) for r in records] == [(ev, i) for i in range(1, QUEUE_MAX + 1)

@@ -11,8 +11,10 @@ times what it costs in a batch: a collective leaves the processor's caches cold,
 touches many Python objects (bench/doctor_bench.py). What is written survives the rank being
 killed, and the file never shows a call as still running once it has returned: a call that lasts
 longer than a flush has its start on file while it runs, and its end is written as it returns.
-A rank killed outright (SIGKILL) loses its last ``FLUSH_S`` of calls at most; an exception, an
-exit and every other record write the queue out first.
+The first call from a line with a tensor of a new size is written before it runs (gloo aborts a
+process within milliseconds when the ranks' sizes differ). A rank killed outright (SIGKILL) loses
+its last ``FLUSH_S`` of calls at most; an exception, an exit and every other record write the
+queue out first.
 """
 
 from __future__ import annotations
@@ -99,6 +101,8 @@ class Tracer:
         code, line = (frame.f_code, frame.f_lineno) if frame is not None else (None, 0)
         queue = self.queue
         queue.append((_OP, op_id, name, plan, args, kwargs, group, seq, blocking, code, line, time.time()))
+        if plan.first(group, code, line, args, kwargs):
+            self.flush()  # on file before the call: gloo aborts the process at once on a size mismatch
         self.calls += 1
         self.open_sync += blocking
         try:
@@ -233,6 +237,7 @@ class _Plan:
         self.async_op = (params.index("async_op"), "async_op") if "async_op" in params else None
         self.p2p = name in P2P_OPS
         self.multi = name in MULTI_OPS
+        self.seen: set[tuple] = set()  # (group, code, line, nbytes) of the calls made
 
     def sequence(self, args: tuple, kwargs: dict) -> int | None:
         """torch's sequence number of the group the call uses (collectives and p2p both count)."""
@@ -244,6 +249,24 @@ class _Plan:
         group = _argument(args, kwargs, self.group)
         seq = _sequence(group)
         return group, None if seq is None else seq + 1, not _argument(args, kwargs, self.async_op)
+
+    def first(self, group: Any, code: Any, line: int, args: tuple, kwargs: dict) -> bool:
+        """Is this the first call from this line in this group with a tensor of this many bytes?
+
+        Bytes, not shapes: gloo aborts the process when the ranks' byte counts differ, and
+        ``nbytes`` is one attribute where shape and dtype are two objects to make and hash.
+        """
+        nbytes = getattr(_argument(args, kwargs, self.compared), "nbytes", None)
+        signature = (id(group), id(code), line, nbytes)
+        try:
+            if signature in self.seen:
+                return False
+        except TypeError:  # an unhashable "nbytes" (not a tensor's): a first every time
+            return True
+        if len(self.seen) >= _SEEN_KEPT:
+            self.seen.clear()
+        self.seen.add(signature)
+        return True
 
     def fields(self, args: tuple, kwargs: dict, group: Any, seq: int | None, blocking: bool) -> str:
         """The call's record fields as JSON text: group, sequence number, shapes, dtypes, peer and
@@ -268,6 +291,7 @@ def _sequence(group: Any) -> int | None:
 
 _shapes: dict[tuple, str] = {}  # (shape, dtype) per tensor -> their record text
 _SHAPES_KEPT = 4096  # distinct shape lists cached (a loop with ever-new shapes must not grow memory)
+_SEEN_KEPT = 4096  # call signatures kept per op (``_Plan.first``)
 
 
 def _tensors_json(value: Any) -> str:
