@@ -6,6 +6,7 @@ import json
 import os
 import signal
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -147,6 +148,57 @@ def test_queued_records_are_written_in_order_without_a_helper_thread(tmp_path):
     assert [(r["ev"], r["id"]) for r in records] == [(ev, i) for i in range(1, QUEUE_MAX + 1)
                                                      for ev in ("op", "end")]
     assert records[0]["op"] == "barrier" and records[0]["seq"] is None  # no group: no number
+
+
+def _exits_at_once():
+    import torch.distributed as dist
+
+    dist.barrier()  # queued, not yet written
+    os._exit(0)
+
+
+def test_os_exit_writes_the_queued_records_first(tmp_path, leftovers):
+    with pytest.raises(RankExited):  # ended without a result: the doctor's rank-exited
+        launch(_exits_at_once, num_processes=2, timeout_s=60, watchers=[doctor.Doctor(30, keep_dir=tmp_path)])
+    for rank in (0, 1):
+        records = [json.loads(line) for line in (tmp_path / f"trace-{rank}.jsonl").read_text().splitlines()]
+        barrier = [r["id"] for r in records if r["ev"] == "op" and r["op"] == "barrier"]
+        assert barrier and any(r["ev"] == "end" and r["id"] == barrier[-1] for r in records), records
+    leftovers.check()
+
+
+def test_what_a_record_cannot_describe_neither_breaks_the_call_nor_the_writer(tmp_path):
+    import numpy as np
+    import torch.distributed as dist
+
+    from helpers.trace.tracer import Tracer, _Plan
+
+    class ShapeOnly:  # has a shape, no dtype: its record cannot say what it is
+        shape = (2,)
+
+    tracer = Tracer(tmp_path, 0)
+    try:
+        tracer.call("send", lambda *args, **kwargs: None, (ShapeOnly(), np.int64(1)), {},
+                    _Plan("send", dist.send))
+        tracer.call("send", lambda *args, **kwargs: None, (None, np.int64(1)), {}, _Plan("send", dist.send))
+        tracer.flush()
+        records = [json.loads(line) for line in (tmp_path / "trace-0.jsonl").read_text().splitlines()]
+        assert records[0]["op"] == "send" and "AttributeError" in records[0]["unrecorded"]
+        assert records[2]["peer"] == 1  # numpy's integer as a rank
+        assert [r["ev"] for r in records] == ["op", "end", "op", "end"]
+        busy = threading.Thread(target=tracer.lock.acquire)  # another thread holds the lock for good
+        busy.start()
+        busy.join()
+        tracer.queue.append({"ev": "x"})
+        tracer.flush(wait=False)  # returns at once: the holder writes
+        assert not tracer.write({"ev": "y"}, wait=False) and len(tracer.queue) == 1
+    finally:
+        tracer.lock = threading.RLock()
+        tracer.close()
+    tracer.queue.append({"ev": "late"})
+    tracer.flush()  # after close: dropped, no error
+    lines = (tmp_path / "trace-0.jsonl").read_text().splitlines()
+    assert len(lines) == 5 and json.loads(lines[-1]) == {"ev": "x"}  # close wrote what was queued
 
 
 def test_tracer_leaves_results_unchanged(leftovers):

@@ -159,6 +159,7 @@ def _leave(code: int, from_main: bool = False) -> NoReturn:
         handlers = threading.Thread(target=atexit._run_exitfuncs, daemon=True)
         handlers.start()
         handlers.join(ATEXIT_S)
+    trace.flush(wait=from_main)  # with --keep: the last calls on file (the watchdog never waits)
     sys.stdout.flush()
     sys.stderr.flush()
     _EXIT(code)
@@ -233,6 +234,7 @@ class Watchdog(threading.Thread):
 
     def script_exits(self, code: int) -> NoReturn:
         """The script's ``os._exit(code)``: say how this rank ends (bounded), then end it."""
+        trace.flush()  # its last calls, for --keep and the heartbeat below
         if os.getpid() == self.pid and self.board is not None:
             with self.lock:
                 if self.exit is None:
@@ -353,7 +355,7 @@ class Watchdog(threading.Thread):
             self._leave_on_signal()
 
     def _read_own_records(self) -> None:
-        trace.flush()  # the calls the helper thread has not written yet
+        trace.flush(wait=False)  # the calls not written yet (unless a thread is writing them now)
         data = os.pread(self.trace_fd, 1 << 20, self.view.offset)
         while data:
             self.records.extend(fold(self.view, data))

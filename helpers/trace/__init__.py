@@ -36,7 +36,7 @@ from __future__ import annotations
 import os
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
 from helpers.trace import tracer as _tracing
 from helpers.trace.callsites import describe_stack, is_user_frame, label, traceback_site, user_frame
@@ -88,14 +88,28 @@ def install(run_dir: str | Path | None, rank: int) -> Tracer:
     tracer.helper = Helper(tracer)
     tracer.helper.start()
     _tracing.current = tracer
+    _flush_before_exit()
     return tracer
 
 
-def flush() -> None:
-    """Write this process's queued records now (nothing when no tracer is installed)."""
+_real_exit = os._exit
+
+
+def _flush_before_exit() -> None:
+    """A script's (or a DataLoader worker's) ``os._exit`` writes the queued records first."""
+    def exit_after_flush(code: int) -> NoReturn:
+        flush()
+        _real_exit(code)
+
+    os._exit = exit_after_flush
+
+
+def flush(wait: bool = True) -> None:
+    """Write this process's queued records now (nothing when no tracer is installed);
+    ``wait=False``: unless another thread is writing them (``Tracer.flush``)."""
     tracer = _tracing.current
     if tracer is not None:
-        tracer.flush()
+        tracer.flush(wait)
 
 
 def finish(status: str, error: BaseException | None = None) -> None:
@@ -117,5 +131,5 @@ def finish(status: str, error: BaseException | None = None) -> None:
         tracer.helper.stop()
     write_state(tracer, "final")
     tracer.unpatch()
-    os.close(tracer.fd)
+    tracer.close()
     _tracing.current = None

@@ -18,6 +18,7 @@ import select
 import sys
 import threading
 import time
+import traceback
 from pathlib import Path
 from typing import Any
 
@@ -104,34 +105,40 @@ class Helper(threading.Thread):
             self.fifo = os.open(path, os.O_RDWR | os.O_NONBLOCK)
 
     def run(self) -> None:
-        last: dict[str, list[int]] = {}
-        pending = b""
-        motion: tuple = ()
-        still_since, written = time.time(), False
+        self.last: dict[str, list[int]] = {}
+        self.pending = b""
+        self.motion: tuple = ()
+        self.still_since, self.written = time.time(), False
         next_poll = 0.0
         while not self.stopping.is_set():
             watched = [self.wake_read] + ([self.fifo] if self.fifo is not None else [])
             ready = [fd for fd in select.select(watched, [], [], FLUSH_S)[0] if fd == self.fifo]
             if self.stopping.is_set():
                 break
-            self.tracer.flush()
-            if not ready and time.monotonic() < next_poll:
-                continue
-            next_poll = time.monotonic() + POLL_S
-            progress = group_progress()
-            if progress and progress != last:
-                self.tracer.write({"ev": "pg", "t": time.time(), "pg": progress})
-                last = progress
-            if ready:
-                pending += _read_available(self.fifo)
-                *requests, pending = pending.split(b"\n")
-                self._answer([request.decode(errors="replace") for request in requests])
-            now = (progress, self.tracer.calls)
-            if now != motion:
-                motion, still_since, written = now, time.time(), False
-            elif not written and time.time() - still_since >= AUTO_STATE_S and self._waiting(progress):
-                write_state(self.tracer, "auto")  # for a post-mortem if nobody asks in time
-                written = True
+            try:
+                self.tracer.flush(wait=False)  # never wait on the main thread's lock (signal handlers)
+                if ready or time.monotonic() >= next_poll:
+                    next_poll = time.monotonic() + POLL_S
+                    self._poll(ready)
+            except Exception:  # noqa: BLE001 - this thread writes the records: it must not end
+                traceback.print_exc()
+
+    def _poll(self, ready: list[int]) -> None:
+        """Note progress, answer requests, and write the state once when stuck (every POLL_S)."""
+        progress = group_progress()
+        if progress and progress != self.last and self.tracer.write(
+                {"ev": "pg", "t": time.time(), "pg": progress}, wait=False):
+            self.last = progress
+        if ready:
+            self.pending += _read_available(self.fifo)
+            *requests, self.pending = self.pending.split(b"\n")
+            self._answer([request.decode(errors="replace") for request in requests])
+        now = (progress, self.tracer.calls)
+        if now != self.motion:
+            self.motion, self.still_since, self.written = now, time.time(), False
+        elif not self.written and time.time() - self.still_since >= AUTO_STATE_S and self._waiting(progress):
+            write_state(self.tracer, "auto")  # for a post-mortem if nobody asks in time
+            self.written = True
 
     def _answer(self, requests: list[str]) -> None:
         if STACKS_REQUEST in requests:

@@ -24,6 +24,7 @@ import functools
 import inspect
 import itertools
 import json
+import operator
 import os
 import sys
 import threading
@@ -37,9 +38,10 @@ from helpers.collectives import MULTI_OPS, OPS, P2P_OPS
 from helpers.trace.callsites import site_json, user_frame
 
 FLUSH_S = 0.05  # the helper thread writes the queued records this often
-QUEUE_MAX = 2048  # queued records past which the calling thread writes them itself (no helper)
-_OP, _END = 0, 1  # queued tuples: (_OP, id, name, plan, args, kwargs, group, seq, blocking, code,
+QUEUE_MAX = 512  # queued records past which the calling thread writes them itself (no helper)
+_OP, _END = 0, 1  # queued tuples: (_OP, id, name, plan, group, seq, blocking, tensors, peer, code,
 #                   line, t) and (_END, id, t, seq_end); anything else queued is a record dict
+_NO_SEQ_END = object()  # an end without "seq_end" (only calls that issue several collectives have one)
 
 
 class Tracer:
@@ -60,30 +62,57 @@ class Tracer:
         self.calls = 0  # Python-level calls started or ended (the helper sees motion)
         self.open_sync = 0  # blocking calls in progress
         self.queue: collections.deque = collections.deque()  # records not written yet, in order
-        self.lock = threading.Lock()  # one writer at a time
+        self.lock = threading.RLock()  # one writer at a time (re-entrant: a signal handler's call)
         self.started_on_file = 0  # the highest op id whose start record has left the queue
+        self.closed = False
 
-    def write(self, record: dict[str, Any]) -> None:
-        """Write the queue, then ``record`` (it is on file when this returns)."""
-        with self.lock:
+    def write(self, record: dict[str, Any], wait: bool = True) -> bool:
+        """Write the queue, then ``record`` (it is on file when this returns True); ``wait=False``:
+        nothing (False) when another thread is writing (see ``flush``)."""
+        if not self.lock.acquire(blocking=wait):
+            return False
+        try:
             self._drain([json.dumps(record, separators=(",", ":"), default=str) + "\n"])
+        finally:
+            self.lock.release()
+        return True
 
-    def flush(self) -> None:
-        """Write the queued records out (the helper thread does every ``FLUSH_S``)."""
+    def flush(self, wait: bool = True) -> None:
+        """Write the queued records out (the helper thread does every ``FLUSH_S``).
+
+        ``wait=False`` (the helper and watchdog threads): when another thread is writing, leave it
+        to that thread; never wait on a lock the main thread may hold in a signal handler.
+        """
+        if not self.lock.acquire(blocking=wait):
+            return
+        try:
+            self._drain([])
+        finally:
+            self.lock.release()
+
+    def close(self) -> None:
+        """Write the queue and close the file; what is queued later is dropped."""
         with self.lock:
             self._drain([])
+            self.closed = True
+            os.close(self.fd)
 
     def _drain(self, after: list[str]) -> None:
-        """Holding ``lock``: format the queue in order and append it, then ``after``, in one write."""
-        texts = []
+        """Holding ``lock``: format the queue in order and append it, then ``after``, in one write.
+
+        An item that cannot be described is written as a bare record naming the error, and a
+        failed write drops the batch: the tracer never breaks the user's call or its own thread.
+        """
         queue = self.queue
+        if self.closed:
+            queue.clear()
+            return
+        texts = []
         while queue:
-            try:
-                item = queue.popleft()
-            except IndexError:  # another thread emptied it (a forked child's copy)
-                break
-            if type(item) is tuple and item[0] == _OP:
-                self.started_on_file = item[1]  # first: the caller checks it after queueing the end
+            item = queue[0]
+            if type(item) is tuple and item[0] == _OP:  # before it leaves: a caller checks it
+                self.started_on_file = max(self.started_on_file, item[1])
+            queue.popleft()
             texts.append(_record_text(item))
         texts += after
         if texts:
@@ -93,15 +122,16 @@ class Tracer:
         """Record and run one outermost torch.distributed call.
 
         The hot path: it queues what only the moment of the call knows (the group's sequence
-        number, the user's line, the clock) and keeps the arguments for the record's text.
+        number, the user's line, the clock) and the two arguments the record describes (the
+        compared tensor and the peer; never the outputs, which the queue must not keep alive).
         """
         op_id = next(self.ids)
-        group, seq, blocking = plan.capture(args, kwargs)
+        group, seq, blocking, tensors, peer = plan.capture(args, kwargs)
         frame = user_frame(sys._getframe(2))
         code, line = (frame.f_code, frame.f_lineno) if frame is not None else (None, 0)
         queue = self.queue
-        queue.append((_OP, op_id, name, plan, args, kwargs, group, seq, blocking, code, line, time.time()))
-        if plan.first(group, code, line, args, kwargs):
+        queue.append((_OP, op_id, name, plan, group, seq, blocking, tensors, peer, code, line, time.time()))
+        if plan.first(group, code, line, tensors):
             self.flush()  # on file before the call: gloo aborts the process at once on a size mismatch
         self.calls += 1
         self.open_sync += blocking
@@ -117,15 +147,16 @@ class Tracer:
         if not blocking and result is not None:
             self._watch_async(op_id, result)
             return result
-        seq_end = plan.sequence(args, kwargs) if plan.multi and seq is not None else None
+        seq_end = plan.sequence(args, kwargs) if plan.multi and seq is not None else _NO_SEQ_END
         queue.append((_END, op_id, time.time(), seq_end))
         self._ended(op_id)
         return result
 
     def _ended(self, op_id: int) -> None:
-        """An end was queued: write it now if the start is on file (no call shows as running
-        after it returned) or is being written; else when the queue is long (no helper thread)."""
-        if self.started_on_file >= op_id or self.lock.locked() or len(self.queue) > QUEUE_MAX:
+        """An end was queued: write it now if its start has left the queue (no call shows as
+        running after it returned); else when the queue is long (no helper thread). A start still
+        queued leaves with its end: ``_drain`` empties the queue in one pass."""
+        if self.started_on_file >= op_id or len(self.queue) > QUEUE_MAX:
             self.flush()
 
     def _watch_async(self, op_id: int, work: Any) -> None:
@@ -154,7 +185,7 @@ class Tracer:
         """In a forked child: the queued records are the parent's to write, and the lock may have
         been held by a thread that does not exist here."""
         self.queue.clear()
-        self.lock = threading.Lock()
+        self.lock = threading.RLock()
 
     def patch(self) -> None:
         """Wrap the operations in ``torch.distributed`` and ``distributed_c10d`` (internal calls too)."""
@@ -180,21 +211,34 @@ class Tracer:
 
 def _write_all(fd: int, data: bytes) -> None:
     view = memoryview(data)
-    while view:
-        view = view[os.write(fd, view):]
+    try:
+        while view:
+            view = view[os.write(fd, view):]
+    except OSError:  # a full disk or a closed file: these records are lost, the user's call is not
+        pass
 
 
 def _record_text(item: Any) -> str:
-    """One queued item as its record's JSON line."""
+    """One queued item as its record's JSON line (a bare record naming the error if it fails)."""
+    try:
+        return _format(item)
+    except Exception as exc:  # noqa: BLE001 - an argument torch took that the record cannot describe
+        if type(item) is not tuple or item[0] != _OP:
+            return ""
+        return json.dumps({"ev": "op", "id": item[1], "op": item[2], "seq": item[5], "t": item[11],
+                           "unrecorded": f"{type(exc).__name__}: {exc}"[:200]}) + "\n"
+
+
+def _format(item: Any) -> str:
     if type(item) is not tuple:
         return json.dumps(item, separators=(",", ":"), default=str) + "\n"
     if item[0] == _END:
         _kind, op_id, t, seq_end = item
-        extra = "" if seq_end is None else f',"seq_end":{seq_end}'
+        extra = "" if seq_end is _NO_SEQ_END else f',"seq_end":{json.dumps(seq_end)}'
         return f'{{"ev":"end","id":{op_id},"t":{t!r},"ok":true{extra}}}\n'
-    _kind, op_id, name, plan, args, kwargs, group, seq, blocking, code, line, t = item
+    _kind, op_id, name, plan, group, seq, blocking, tensors, peer, code, line, t = item
     site = site_json(code, line) if code is not None else ""
-    return (f'{{"ev":"op","id":{op_id},"op":"{name}",{plan.fields(args, kwargs, group, seq, blocking)}'
+    return (f'{{"ev":"op","id":{op_id},"op":"{name}",{plan.fields(group, seq, blocking, tensors, peer)}'
             f'{site},"t":{t!r}}}\n')
 
 
@@ -243,21 +287,22 @@ class _Plan:
         """torch's sequence number of the group the call uses (collectives and p2p both count)."""
         return _sequence(_argument(args, kwargs, self.group))
 
-    def capture(self, args: tuple, kwargs: dict) -> tuple[Any, int | None, bool]:
+    def capture(self, args: tuple, kwargs: dict) -> tuple[Any, int | None, bool, Any, Any]:
         """What only the moment of the call knows: the group, the sequence number the call will
-        take in it, and whether it blocks."""
+        take in it, whether it blocks; and the two arguments the record describes later (the
+        compared tensor or tensors and the peer: not the outputs, which the queue must not keep)."""
         group = _argument(args, kwargs, self.group)
         seq = _sequence(group)
-        return group, None if seq is None else seq + 1, not _argument(args, kwargs, self.async_op)
+        return (group, None if seq is None else seq + 1, not _argument(args, kwargs, self.async_op),
+                _argument(args, kwargs, self.compared), _argument(args, kwargs, self.peer))
 
-    def first(self, group: Any, code: Any, line: int, args: tuple, kwargs: dict) -> bool:
+    def first(self, group: Any, code: Any, line: int, tensors: Any) -> bool:
         """Is this the first call from this line in this group with a tensor of this many bytes?
 
         Bytes, not shapes: gloo aborts the process when the ranks' byte counts differ, and
         ``nbytes`` is one attribute where shape and dtype are two objects to make and hash.
         """
-        nbytes = getattr(_argument(args, kwargs, self.compared), "nbytes", None)
-        signature = (id(group), id(code), line, nbytes)
+        signature = (id(group), id(code), line, getattr(tensors, "nbytes", None))
         try:
             if signature in self.seen:
                 return False
@@ -268,18 +313,26 @@ class _Plan:
         self.seen.add(signature)
         return True
 
-    def fields(self, args: tuple, kwargs: dict, group: Any, seq: int | None, blocking: bool) -> str:
+    def fields(self, group: Any, seq: int | None, blocking: bool, tensors: Any, peer: Any) -> str:
         """The call's record fields as JSON text: group, sequence number, shapes, dtypes, peer and
         async flag (the group's name and the shapes' text are cached: a loop repeats a few)."""
         fields = f'"pg":"{_group_name(group)}","seq":{"null" if seq is None else seq}'
         if self.p2p:
             fields += ',"p2p":true'
-        fields += _tensors_json(_argument(args, kwargs, self.compared))
+        fields += _tensors_json(tensors)
         if self.peer is not None:
-            fields += f',"peer":{json.dumps(_argument(args, kwargs, self.peer))}'
+            fields += f',"peer":{json.dumps(_integer(peer))}'
         if not blocking:
             fields += ',"async":true'
         return fields
+
+
+def _integer(value: Any) -> Any:
+    """A rank given as numpy's or torch's integer, as an int (anything else as it is)."""
+    try:
+        return operator.index(value)
+    except TypeError:
+        return value
 
 
 def _sequence(group: Any) -> int | None:
