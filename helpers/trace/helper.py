@@ -99,17 +99,17 @@ class Helper(threading.Thread):
         self.stopping = threading.Event()
         self.wake_read, self.wake_write = os.pipe()  # stop() wakes the select at once
         self.fifo: int | None = None
+        self.last: dict[str, list[int]] = {}  # the progress last noted
+        self.pending = b""  # a request line not complete yet
+        self.motion: tuple = ()  # (progress, calls) when last seen moving
+        self.still_since, self.written = time.time(), False  # the state written since it stopped
         path = rundir.control_path(tracer.run_dir, tracer.rank) if tracer.run_dir is not None else None
         if path is not None and path.exists():
             # read-write, so that the FIFO never reports end-of-file while nobody writes
             self.fifo = os.open(path, os.O_RDWR | os.O_NONBLOCK)
 
     def run(self) -> None:
-        self.last: dict[str, list[int]] = {}
-        self.pending = b""
-        self.motion: tuple = ()
-        self.still_since, self.written = time.time(), False
-        next_poll = 0.0
+        next_poll, reported = 0.0, False
         while not self.stopping.is_set():
             watched = [self.wake_read] + ([self.fifo] if self.fifo is not None else [])
             ready = [fd for fd in select.select(watched, [], [], FLUSH_S)[0] if fd == self.fifo]
@@ -121,7 +121,9 @@ class Helper(threading.Thread):
                     next_poll = time.monotonic() + POLL_S
                     self._poll(ready)
             except Exception:  # noqa: BLE001 - this thread writes the records: it must not end
-                traceback.print_exc()
+                if not reported:  # once: it may fail at every tick
+                    traceback.print_exc()
+                    reported = True
 
     def _poll(self, ready: list[int]) -> None:
         """Note progress, answer requests, and write the state once when stuck (every POLL_S)."""
