@@ -152,12 +152,12 @@ class Tracer:
         self._ended(op_id)
         return result
 
-    def _ended(self, op_id: int) -> None:
+    def _ended(self, op_id: int, wait: bool = True) -> None:
         """An end was queued: write it now if its start has left the queue (no call shows as
         running after it returned); else when the queue is long (no helper thread). A start still
         queued leaves with its end: ``_drain`` empties the queue in one pass."""
         if self.started_on_file >= op_id or len(self.queue) > QUEUE_MAX:
-            self.flush()
+            self.flush(wait)
 
     def _watch_async(self, op_id: int, work: Any) -> None:
         self.queue.append({"ev": "enq", "id": op_id, "t": time.time()})
@@ -177,7 +177,7 @@ class Tracer:
             if error:
                 record["error"] = error
             self.queue.append(record)
-            self._ended(op_id)
+            self._ended(op_id, wait=False)  # torch's thread: never held up by the writer's lock
 
         future.add_done_callback(done)
 
