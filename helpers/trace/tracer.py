@@ -69,13 +69,7 @@ class Tracer:
     def write(self, record: dict[str, Any], wait: bool = True) -> bool:
         """Write the queue, then ``record`` (it is on file when this returns True); ``wait=False``:
         nothing (False) when another thread is writing (see ``flush``)."""
-        if not self.lock.acquire(blocking=wait):
-            return False
-        try:
-            self._drain([json.dumps(record, separators=(",", ":"), default=str) + "\n"])
-        finally:
-            self.lock.release()
-        return True
+        return self._drain_locked([json.dumps(record, separators=(",", ":"), default=str) + "\n"], wait)
 
     def flush(self, wait: bool = True) -> None:
         """Write the queued records out (the helper thread does every ``FLUSH_S``).
@@ -83,12 +77,16 @@ class Tracer:
         ``wait=False`` (the helper and watchdog threads): when another thread is writing, leave it
         to that thread; never wait on a lock the main thread may hold in a signal handler.
         """
+        self._drain_locked([], wait)
+
+    def _drain_locked(self, after: list[str], wait: bool) -> bool:
         if not self.lock.acquire(blocking=wait):
-            return
+            return False
         try:
-            self._drain([])
+            self._drain(after)
         finally:
             self.lock.release()
+        return True
 
     def close(self) -> None:
         """Write the queue and close the file; what is queued later is dropped."""
