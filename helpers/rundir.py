@@ -97,8 +97,11 @@ def clear_record(folder: str | Path) -> None:
 
 
 def clear_rank_record(folder: str | Path, rank: int) -> None:
-    """Remove one rank's previous records from ``folder`` (its trace, state and stacks)."""
-    for path in (trace_path(folder, rank), state_path(folder, rank), stack_path(folder, rank)):
+    """Remove one rank's previous records from ``folder`` (its trace, state and stacks, and a state's
+    temporary file that a killed process left)."""
+    state = state_path(folder, rank)
+    cut_off = list(Path(folder).glob(f".{state.name}.*.tmp"))
+    for path in (trace_path(folder, rank), state, stack_path(folder, rank), *cut_off):
         Path(path).unlink(missing_ok=True)
 
 

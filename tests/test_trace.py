@@ -167,6 +167,29 @@ def test_os_exit_writes_the_queued_records_first(tmp_path, leftovers):
     leftovers.check()
 
 
+def _exits_while_states_are_written(folder: str):
+    path = Path(folder) / "state-0.json"  # as under torchrun with --keep: the folder is the user's
+    big = {"stack": [], "padding": "x" * 5_000_000}
+
+    def keep_writing():
+        while True:
+            trace.save_state(path, big)
+
+    threading.Thread(target=keep_writing, daemon=True).start()
+    _wait_until(path.exists, "the first state file")
+    _wait_until(lambda: any(path.parent.glob(".*.tmp")), "the next write under way")
+    os._exit(0)  # while the next write is under way, as a rank ends while its helper writes
+
+
+def test_an_exit_during_a_state_write_leaves_no_temporary_file(tmp_path, leftovers):
+    with pytest.raises(RankExited):
+        launch(_exits_while_states_are_written, (str(tmp_path),), num_processes=1, timeout_s=60,
+               init_group=False, watchers=[doctor.Doctor(30)])
+    assert json.loads((tmp_path / "state-0.json").read_text())["padding"].startswith("x")
+    assert not list(tmp_path.glob("*.tmp")) and not list(tmp_path.glob(".*.tmp"))
+    leftovers.check()
+
+
 def test_what_a_record_cannot_describe_neither_breaks_the_call_nor_the_writer(tmp_path):
     import numpy as np
     import torch.distributed as dist

@@ -160,6 +160,7 @@ def _leave(code: int, from_main: bool = False) -> NoReturn:
         handlers.start()
         handlers.join(ATEXIT_S)
     trace.flush(wait=from_main)  # with --keep: the last calls on file (the watchdog never waits)
+    trace.settle()  # no state file cut off before its rename
     sys.stdout.flush()
     sys.stderr.flush()
     _EXIT(code)
@@ -242,6 +243,7 @@ class Watchdog(threading.Thread):
                                  "status": "finished" if code == 0 else "exited"}
                     self.exit_mono = time.monotonic()
             self.exit_posted.wait(2 * TICK_S + 1)
+        trace.settle()
         _EXIT(code)
 
     def _on_sigterm(self, signum: int, frame: Any) -> None:  # the main thread, when it can
@@ -485,7 +487,7 @@ class Watchdog(threading.Thread):
             return
         try:
             path = rundir.state_path(self.options.keep_dir, self.job.rank)
-            report.atomic_write_json(path, self.state("final"))
+            trace.save_state(path, self.state("final"))
         except OSError as exc:
             print(f"doctor: rank {self.job.rank} cannot keep its state: {exc}", file=sys.stderr)
 

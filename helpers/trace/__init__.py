@@ -51,14 +51,16 @@ from helpers.trace.helper import (
     flight_recorder_tail,
     group_progress,
     rank_state,
+    save_state,
+    settle,
     write_state,
 )
 from helpers.trace.tracer import FLUSH_S, Tracer
 
 __all__ = ["FLUSH_S", "FR_BUFFER_SIZE", "FR_STACK_TRACE", "FR_TAIL", "POLL_S", "STACKS_REQUEST", "Tracer",
            "ask", "describe_stack", "dump_stacks", "finish", "flight_recorder", "flight_recorder_tail",
-           "flush", "group_progress", "install", "is_user_frame", "label", "rank_state", "traceback_site",
-           "user_frame", "write_state"]
+           "flush", "group_progress", "install", "is_user_frame", "label", "rank_state", "save_state",
+           "settle", "traceback_site", "user_frame", "write_state"]
 
 FR_BUFFER_SIZE = "256"  # Flight Recorder entries kept per rank (unless the user set a size)
 # The Flight Recorder gathers a stack for every entry unless told not to: about 15 us of CPU (30 us
@@ -99,6 +101,7 @@ def _flush_before_exit() -> None:
     """A script's (or a DataLoader worker's) ``os._exit`` writes the queued records first."""
     def exit_after_flush(code: int) -> NoReturn:
         flush()
+        settle()
         _real_exit(code)
 
     os._exit = exit_after_flush

@@ -22,7 +22,7 @@ import traceback
 from pathlib import Path
 from typing import Any
 
-from helpers import rundir
+from helpers import report, rundir
 from helpers.trace.callsites import describe_stack
 from helpers.trace.tracer import FLUSH_S
 
@@ -197,7 +197,31 @@ def write_state(tracer: Any, request: str, extra: dict[str, Any] | None = None) 
         return
     state = rank_state(tracer.rank, request)
     state.update(extra or {})
-    path = rundir.state_path(tracer.run_dir, tracer.rank)
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(json.dumps(state, default=str))
-    os.replace(tmp, path)
+    save_state(rundir.state_path(tracer.run_dir, tracer.rank), state)
+
+
+_state_writes = threading.Lock()
+_ending = threading.Event()  # the process is about to end: no state write starts
+
+
+def _new_state_lock() -> None:
+    global _state_writes
+    _state_writes = threading.Lock()  # a forked child is not the parent: no write of its is under way
+
+
+os.register_at_fork(after_in_child=_new_state_lock)
+
+
+def save_state(path: str | Path, state: dict[str, Any]) -> None:
+    """Write a state file atomically, one write at a time, none once the process ends (``settle``)."""
+    with _state_writes:
+        if not _ending.is_set():
+            report.atomic_write_text(path, json.dumps(state, default=str))
+
+
+def settle(timeout_s: float = 1.0) -> None:
+    """Just before the process ends (``os._exit``): start no state write, and let one under way
+    finish (bounded), so that no temporary file is cut off before its rename."""
+    _ending.set()
+    if _state_writes.acquire(timeout=timeout_s):
+        _state_writes.release()
