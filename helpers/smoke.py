@@ -246,10 +246,32 @@ def smoke_rank(max_size_mib: int = 16) -> dict[str, Any]:
 # accelerate's notebook_launcher, as users call it, in a guarded child
 
 
+SIBLINGS_WAIT_S = 10.0  # at most this long for notebook_launcher to fork every worker
+
+
+def _wait_for_siblings() -> None:
+    """Wait (bounded) until the launching process has forked every worker (LOCAL_WORLD_SIZE).
+
+    notebook_launcher forks its workers from a process whose TCPStore thread answers the workers
+    already started; a worker forked while that thread is inside glibc's getnameinfo inherits the
+    resolver's lock held and hangs in init_process_group, for good (py-spy: ``__resolv_context_get``
+    under ``c10d::detail::formatSockAddr``; 1 check in about 40 on this machine, with 3 processes
+    and a loaded CPU). No worker connects before the last fork, so none can inherit it.
+    """
+    import psutil
+
+    wanted = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+    deadline = time.monotonic() + SIBLINGS_WAIT_S
+    launcher = psutil.Process(os.getppid())
+    while len(launcher.children()) < wanted and time.monotonic() < deadline:
+        time.sleep(0.01)
+
+
 def _report_what_accelerate_sees(out_dir: str) -> None:
     """Runs in each notebook_launcher rank: plain Accelerator view, then the cpu=True view."""
     from accelerate.state import PartialState
 
+    _wait_for_siblings()
     seen = {}
     for label, cpu in (("plain", False), ("cpu=True", True)):
         state = PartialState(cpu=cpu)
@@ -293,6 +315,7 @@ class LauncherCheck(ResultMixin):
     cpu_trap: bool = False
     ok: bool = False
     error: str | None = None
+    details: str = ""  # the whole error when it failed: the stacks of a run past its deadline
 
     def summary(self) -> str:
         """One sentence a person can act on."""
@@ -321,7 +344,7 @@ def check_notebook_launcher(num_processes: int, timeout_s: float) -> LauncherChe
                         timeout_s=timeout_s, init_group=False, env={"ACCELERATE_USE_CPU": "false"},
                         watchers=())
     except LaunchError as exc:
-        result.error = str(exc).splitlines()[0]
+        result.error, result.details = str(exc).splitlines()[0], str(exc)
         return result
     result.printed = seen["printed"].splitlines()[0] if seen["printed"] else ""
     result.plain_world_sizes = [v["plain"]["num_processes"] for v in seen["views"]]
@@ -407,6 +430,8 @@ class SmokeResult(Outcome):
             lines += ["", report.text_table(peaks)]
         if self.launcher is not None:
             lines += ["", self.launcher.summary()]
+            if self.launcher.details:
+                lines += ["", self.launcher.details]
         return "\n".join(lines)
 
     def _repr_html_(self) -> str:

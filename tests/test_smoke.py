@@ -78,6 +78,15 @@ def test_smoke_on_two_ranks_flags_notebook_launchers_cpu_trap(leftovers):
     leftovers.check()  # includes /tmp/torchelastic_*: notebook_launcher's folder is removed
 
 
+def test_a_launcher_check_past_its_deadline_keeps_the_stacks(leftovers):
+    launcher = smoke.check_notebook_launcher(3, timeout_s=0.5)  # not even past accelerate's import
+    assert not launcher.ok and launcher.error.startswith("the run passed its deadline")
+    assert "--- rank 0 ---" in launcher.details and "\n" not in launcher.error
+    result = smoke.SmokeResult(False, 3, "gloo", "cpu", [], [], [], 1.0, launcher)
+    assert launcher.details in result.summary()  # what notebook 03 prints
+    leftovers.check()
+
+
 def test_the_result_is_notebook_03s_outcome(tmp_path, leftovers):
     path = tmp_path / "smoke.json"
     cfg = smoke.check_config(params.validate(num_processes=2, max_size_mib=1, timeout_s=60,
