@@ -62,6 +62,35 @@ def test_launch_stops_a_stall_with_a_diagnosis(leftovers):
     leftovers.check()
 
 
+def _pipeline_wired_wrong():
+    import torch
+    import torch.distributed as dist
+
+    rank, tensor = dist.get_rank(), torch.zeros(4)
+    if rank == 0:
+        dist.send(tensor + 1, dst=1)
+    elif rank == 1:
+        dist.recv(tensor, src=0)
+        dist.recv(tensor, src=2)  # line: recv
+    elif rank == 2:
+        dist.send(tensor + 2, dst=3)  # to rank 3, not to rank 1
+    else:
+        dist.recv(tensor, src=2)
+    dist.barrier()  # line: pipeline barrier
+
+
+def test_a_recv_whose_peer_is_in_another_operation_names_the_peer(leftovers):
+    with pytest.raises(doctor.HangDetected) as info:
+        doctor.launch(_pipeline_wired_wrong, num_processes=4, timeout_s=60, stall_s=1.5)
+    found = info.value.diagnosis
+    assert (found.verdict, found.kind, found.ranks) == ("hang", "rank-missing", [2])
+    assert found.per_rank[1].op == "recv" and found.per_rank[1].location == f"{HERE}:{_line('recv')}"
+    barrier = f"{HERE}:{_line('pipeline barrier')}"
+    assert found.summary.startswith(f"Rank 1 waits to receive from rank 2 (recv at {HERE}:{_line('recv')}), "
+                                    f"but rank 2 is in barrier at {barrier}, with no send to rank 1.")
+    leftovers.check()
+
+
 def _display(found) -> None:
     html = found._repr_html_()
     assert "rank-missing" in html and "<table>" in html and found.summary.split(";")[0][:40] in html

@@ -344,6 +344,9 @@ def _classify(positions: dict[int, Position], histories: dict[int, dict], views:
     exited = _exited_culprits(positions)
     if exited:
         return "rank-exited", exited, wording.exited_summary(exited, positions)
+    unanswered = _unanswered_p2p(positions)
+    if unanswered:
+        return "rank-missing", sorted(set(unanswered.values())), wording.p2p_summary(unanswered, positions)
     missing = _missing_ranks(positions)
     if missing:
         return "rank-missing", missing, wording.missing_summary(missing, positions)
@@ -447,6 +450,24 @@ def _exited_culprits(positions: dict[int, Position]) -> list[int]:
     # or SIGABRT when the peer's sockets close) is that death's echo, not a second cause.
     outside = [r for r in culprits if positions[r].state != "exited" or positions[r].op is None]
     return sorted(outside or culprits)
+
+
+def _unanswered_p2p(positions: dict[int, Position]) -> dict[int, int]:
+    """Ranks waiting in a send or recv whose peer waits in another operation, not in the matching
+    recv or send to them: {waiting rank: its peer} (the peer is the rank that never arrives).
+
+    A peer outside any operation is left to ``_missing_ranks``, which says where it is.
+    """
+    unanswered = {}
+    for pos in positions.values():
+        op = pos.op
+        if pos.state != "in-collective" or op is None or not op.p2p or op.peer not in positions:
+            continue
+        peer = positions[op.peer]
+        answers = peer.op is not None and peer.op.p2p and peer.op.peer == pos.rank
+        if peer.state == "in-collective" and not answers:
+            unanswered[pos.rank] = op.peer
+    return unanswered
 
 
 def _missing_ranks(positions: dict[int, Position]) -> list[int]:

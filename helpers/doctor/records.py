@@ -43,10 +43,15 @@ class Op:
     p2p: bool = False
     async_: bool = False
     source: str = "python"
+    peer: int | None = None  # a send's destination or a recv's source (global rank)
 
     def signature(self) -> tuple:
         """What must agree across ranks at one sequence number: the op, then shapes and dtypes."""
         return (canonical_op(self.op), _shape_key(self))
+
+
+def _rank_or_none(value: Any) -> int | None:
+    return value if isinstance(value, int) and not isinstance(value, bool) else None
 
 
 def _shape_key(op: Op) -> tuple:
@@ -96,7 +101,7 @@ class RankView:
         op = Op(op=event["op"], pg=event.get("pg", "0"), seq=event.get("seq"), shapes=event.get("shapes"),
                 dtypes=event.get("dtypes"), where=event.get("where"), file=event.get("file"),
                 line=event.get("line"), start=event["t"], p2p=bool(event.get("p2p")),
-                async_=bool(event.get("async")))
+                async_=bool(event.get("async")), peer=_rank_or_none(event.get("peer")))
         if len(self.order) == self.order.maxlen:
             self.ops.pop(self.order[0], None)
         self.order.append(event["id"])

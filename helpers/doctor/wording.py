@@ -163,6 +163,18 @@ def missing_summary(missing: list[int], positions: dict[int, Position]) -> str:
     return text + "; " + "; ".join(where) + "."
 
 
+def p2p_summary(unanswered: dict[int, int], positions: dict[int, Position]) -> str:
+    """Ranks waiting in a send or recv whose peer is in another operation and posts no match."""
+    parts = []
+    for rank, peer in sorted(unanswered.items()):
+        pos, other = positions[rank], positions[peer]
+        receiving = "recv" in canonical_op(pos.op.op)
+        verb, match = ("receive from", "send to") if receiving else ("send to", "recv from")
+        parts.append(f"Rank {rank} waits to {verb} rank {peer} ({_op_name(pos.op)}{_at(pos)}), but rank "
+                     f"{peer} is in {_op_name(other.op)}{_at(other)}, with no {match} rank {rank}")
+    return "; ".join(parts) + ". Every send needs the matching recv on its peer, in the same order."
+
+
 def unknown_summary(positions: dict[int, Position]) -> str:
     """No known pattern: where every rank is."""
     parts = []
