@@ -91,6 +91,36 @@ def test_a_recv_whose_peer_is_in_another_operation_names_the_peer(leftovers):
     leftovers.check()
 
 
+def _subgroup_member_stays_behind():
+    import torch
+    import torch.distributed as dist
+
+    rank = dist.get_rank()
+    low, high = dist.new_group([0, 1]), dist.new_group([2, 3])
+    if rank == 3:
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline:  # line: behind
+            time.sleep(0.05)
+        return
+    if rank == 2:
+        dist.all_reduce(torch.ones(2), group=high)  # line: subgroup
+    else:
+        dist.all_reduce(torch.ones(2), group=low)
+    dist.barrier()  # line: world barrier
+
+
+def test_ranks_waiting_in_different_operations_are_each_named(leftovers):
+    with pytest.raises(doctor.HangDetected) as info:
+        doctor.launch(_subgroup_member_stays_behind, num_processes=4, timeout_s=60, stall_s=1.5)
+    found = info.value.diagnosis
+    assert (found.kind, found.ranks) == ("rank-missing", [3])
+    assert found.summary.startswith(
+        f"Rank 3 never reached the barrier that rank 0, rank 1 entered at {HERE}:{_line('world barrier')} "
+        f"(collective #"), found.summary
+    assert f"nor the all_reduce that rank 2 entered at {HERE}:{_line('subgroup')}" in found.summary
+    leftovers.check()
+
+
 def _display(found) -> None:
     html = found._repr_html_()
     assert "rank-missing" in html and "<table>" in html and found.summary.split(";")[0][:40] in html

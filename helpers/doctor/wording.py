@@ -148,12 +148,14 @@ def exited_summary(culprits: list[int], positions: dict[int, Position]) -> str:
 def missing_summary(missing: list[int], positions: dict[int, Position]) -> str:
     """Which ranks never reached the collective the others wait in, and where they are instead."""
     waiting = [p for p in positions.values() if p.state == "in-collective" or p.victim]
-    first = waiting[0]
-    who = ", ".join(f"rank {p.rank}" for p in waiting)
-    text = (f"{ranks_text(missing)} never reached the {_op_name(first.op)} that {who} entered"
-            f"{_at(first)}")
-    if first.seq:
-        text += f" (collective #{first.seq})"
+    entered: dict[tuple, list[Position]] = {}  # the ranks waiting in one op at one line
+    for pos in waiting:
+        entered.setdefault((_op_name(pos.op), pos.where, pos.seq), []).append(pos)
+    clauses = []
+    for (name, _where, seq), group in entered.items():
+        clause = f"the {name} that {', '.join(f'rank {p.rank}' for p in group)} entered{_at(group[0])}"
+        clauses.append(clause + (f" (collective #{seq})" if seq else ""))
+    text = f"{ranks_text(missing)} never reached " + ", nor ".join(clauses)
     where = []
     for rank in missing:
         pos = positions[rank]
