@@ -115,6 +115,7 @@ def rank_main(spec: RankSpec, fn: Callable[..., Any], args: tuple, kwargs: dict)
     """The body of a forked rank: set up, run ``fn``, write how it ended."""
     signal.signal(signal.SIGINT, signal.SIG_DFL)
     signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})  # held by the launcher across the fork
     procs.set_parent_death_signal(spec.parent_pid)
     rundir.pid_marker(spec.run_dir, os.getpid()).touch()
     stack_handle = install_stack_dump(rundir.stack_path(spec.run_dir, spec.rank), not spec.trace)

@@ -284,7 +284,9 @@ def _start_ranks(run: Run, fn, args, kwargs, init_group, backend, timeout_s, env
     context = multiprocessing.get_context("fork")
     port = procs.free_port()
     _make_fifos(run, traced)
-    old_mask = signal.pthread_sigmask(signal.SIG_BLOCK, {STACK_SIGNAL})
+    # SIGINT too: a Ctrl-C between a fork and its bookkeeping would leave a rank that no cleanup
+    # stops (and multiprocessing's exit joins it forever); held here, it lands after the loop
+    old_mask = signal.pthread_sigmask(signal.SIG_BLOCK, {STACK_SIGNAL, signal.SIGINT})
     try:
         for rank in range(run.num_processes):
             spec = RankSpec(rank, run.num_processes, port, run.run_dir, os.getpid(), init_group,
