@@ -19,7 +19,7 @@ import psutil
 import pytest
 from conftest import marker_line
 
-from helpers import cuda_watch, doctor
+from helpers import cuda_watch, doctor, procs
 from helpers import launch as launch_module
 from helpers.launch import (
     CudaInitializedError,
@@ -307,6 +307,19 @@ def _start_hanging_launcher(tmp_path: Path) -> tuple[subprocess.Popen, list[int]
     return proc, [int(p.name) for p in pid_dir.iterdir()]
 
 
+def _stacks_and_signals(pid: int) -> str:
+    """py-spy's dump and the signal masks of ``pid`` and its descendants (for a failure message)."""
+    spy = Path(sys.executable).with_name("py-spy")
+    text = []
+    for member in [psutil.Process(pid), *psutil.Process(pid).children(recursive=True)]:
+        dump = subprocess.run([str(spy), "dump", "--pid", str(member.pid)], capture_output=True,
+                              text=True, timeout=30)
+        status = Path(f"/proc/{member.pid}/status").read_text().splitlines()
+        text += [f"--- {member.pid} {member.cmdline()[:3]}", dump.stdout + dump.stderr,
+                 *[line for line in status if line.startswith(("State", "Sig"))]]
+    return "\n".join(text)
+
+
 def _run_dirs() -> set[str]:
     import glob
     import tempfile
@@ -323,7 +336,13 @@ def _assert_gone(pids: list[int]) -> None:
 def test_keyboard_interrupt_stops_ranks_and_is_re_raised(tmp_path, leftovers):
     proc, pids = _start_hanging_launcher(tmp_path)
     proc.send_signal(signal.SIGINT)
-    out, err = proc.communicate(timeout=30)
+    try:
+        out, err = proc.communicate(timeout=30)
+    except subprocess.TimeoutExpired:  # say where the launcher is stuck, then leave nothing behind
+        where = _stacks_and_signals(proc.pid)
+        procs.stop_processes(procs.tree_of([proc.pid]))
+        proc.communicate()
+        raise AssertionError(f"the launcher did not end within 30 s of SIGINT:\n{where}") from None
     assert "KeyboardInterrupt re-raised" in out
     assert proc.returncode != 0 and "KeyboardInterrupt" in err
     _assert_gone(pids)
