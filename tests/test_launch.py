@@ -298,8 +298,11 @@ _HANGING_LAUNCHER = textwrap.dedent("""
 def _start_hanging_launcher(tmp_path: Path) -> tuple[subprocess.Popen, list[int]]:
     pid_dir = tmp_path / "pids"
     pid_dir.mkdir()
+    # SIGINT at its default, as in a terminal: a command started in the background (`make test &`)
+    # inherits it ignored, and Python then installs no KeyboardInterrupt handler at all
     proc = subprocess.Popen([sys.executable, "-c", _HANGING_LAUNCHER, str(pid_dir)],
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     deadline = time.monotonic() + 30
     while len(list(pid_dir.iterdir())) < 2:  # wait for a condition, with a deadline
         assert time.monotonic() < deadline and proc.poll() is None, proc.stderr.read() if proc.poll() else ""
