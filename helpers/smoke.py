@@ -344,7 +344,8 @@ def check_notebook_launcher(num_processes: int, timeout_s: float) -> LauncherChe
                         timeout_s=timeout_s, init_group=False, env={"ACCELERATE_USE_CPU": "false"},
                         watchers=())
     except LaunchError as exc:
-        result.error, result.details = str(exc).splitlines()[0], str(exc)
+        result.details = str(exc)
+        result.error = result.details.splitlines()[0]
         return result
     result.printed = seen["printed"].splitlines()[0] if seen["printed"] else ""
     result.plain_world_sizes = [v["plain"]["num_processes"] for v in seen["views"]]

@@ -312,10 +312,11 @@ def _start_hanging_launcher(tmp_path: Path) -> tuple[subprocess.Popen, list[int]
 
 def _stacks_and_signals(pid: int) -> str:
     """py-spy's dump and the signal masks of ``pid`` and its descendants (for a failure message)."""
-    spy = Path(sys.executable).with_name("py-spy")
+    from helpers.doctor.pyspy import py_spy
+
     text = []
-    for member in [psutil.Process(pid), *psutil.Process(pid).children(recursive=True)]:
-        dump = subprocess.run([str(spy), "dump", "--pid", str(member.pid)], capture_output=True,
+    for member in procs.tree_of([pid]):
+        dump = subprocess.run([py_spy(), "dump", "--pid", str(member.pid)], capture_output=True,
                               text=True, timeout=30)
         status = Path(f"/proc/{member.pid}/status").read_text().splitlines()
         text += [f"--- {member.pid} {member.cmdline()[:3]}", dump.stdout + dump.stderr,
