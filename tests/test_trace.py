@@ -125,6 +125,18 @@ def test_a_call_on_file_while_it_runs_has_its_end_written_as_it_returns(tmp_path
     leftovers.check()
 
 
+def _call_traced(tracer, name, plan, *args):
+    """One call of a stand-in for op ``name``, through the tracer's wrapper, with ``tracer`` as the
+    process's tracer (not installed: no helper thread, nothing patched)."""
+    from helpers.trace import tracer as tracing
+
+    installed, tracing.current = tracing.current, tracer
+    try:
+        return tracing._wrap(name, lambda *args, **kwargs: "ran", plan)(*args)
+    finally:
+        tracing.current = installed
+
+
 def test_queued_records_are_written_in_order_without_a_helper_thread(tmp_path):
     import torch.distributed as dist
 
@@ -136,7 +148,7 @@ def test_queued_records_are_written_in_order_without_a_helper_thread(tmp_path):
     on_file = []
     try:
         for number in range(QUEUE_MAX):  # two records a call: past QUEUE_MAX the caller writes
-            tracer.call("barrier", lambda *args, **kwargs: None, (), {}, plan)
+            _call_traced(tracer, "barrier", plan)
             if number < 2:
                 on_file.append(len(path.read_text().splitlines()))
         assert on_file == [2, 2]  # the first call from a line is on file at once, the next is queued
@@ -198,12 +210,12 @@ def test_what_a_record_cannot_describe_neither_breaks_the_call_nor_the_writer(tm
 
     class ShapeOnly:  # has a shape, no dtype: its record cannot say what it is
         shape = (2,)
+        nbytes = []  # and an unhashable size: no signature to remember
 
     tracer = Tracer(tmp_path, 0)
     try:
-        tracer.call("send", lambda *args, **kwargs: None, (ShapeOnly(), np.int64(1)), {},
-                    _Plan("send", dist.send))
-        tracer.call("send", lambda *args, **kwargs: None, (None, np.int64(1)), {}, _Plan("send", dist.send))
+        assert _call_traced(tracer, "send", _Plan("send", dist.send), ShapeOnly(), np.int64(1)) == "ran"
+        _call_traced(tracer, "send", _Plan("send", dist.send), None, np.int64(1))
         tracer.flush()
         records = [json.loads(line) for line in (tmp_path / "trace-0.jsonl").read_text().splitlines()]
         assert records[0]["op"] == "send" and "AttributeError" in records[0]["unrecorded"]

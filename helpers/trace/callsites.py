@@ -14,17 +14,17 @@ from typing import Any
 
 from helpers.sites import is_user_code
 
-_user_file: dict[str, bool] = {}
+user_files: dict[str, bool] = {}  # file name -> is it user code (the tracer reads it inline)
 _labels: dict[str, str] = {}
 
 
 def is_user_frame(frame: Any) -> bool:
     """Is ``frame`` the user's code (cached per file; the module name decides, see helpers.sites)?"""
     filename = frame.f_code.co_filename
-    known = _user_file.get(filename)
+    known = user_files.get(filename)
     if known is None:
         known = is_user_code(filename, frame.f_globals.get("__name__") or "")
-        _user_file[filename] = known
+        user_files[filename] = known
     return known
 
 
@@ -47,22 +47,35 @@ def _cell_name(filename: str) -> str | None:
     return f"{named[0]} {named[1]}, line " if named else None
 
 
-_sites: dict[tuple[int, int], tuple[Any, str]] = {}  # (id(code), line) -> (code, text)
+_sites: dict[tuple[int, int], tuple[Any, str]] = {}  # (id(code), offset) -> (code, text)
 
 
-def site_json(code: Any, line: int) -> str:
-    """``,"file":...,"line":...,"func":...,"where":...`` for a call site (cached per code and line).
+def site_json(code: Any, offset: int) -> str:
+    """``,"file":...,"line":...,"func":...,"where":...`` for the call at byte ``offset`` of
+    ``code`` (a frame's ``f_lasti``; cached per code and offset).
 
-    Keyed by the code object's id, kept alive in the entry: hashing a code object hashes its
-    constants, nested functions' code included, at every call.
+    The tracer notes the offset, not ``f_lineno``: a frame computes its line by scanning its code's
+    line table from the start, which costs microseconds in a long function. Keyed by the code
+    object's id, kept alive in the entry: hashing a code object hashes its constants, nested
+    functions' code included, at every call.
     """
-    cached = _sites.get((id(code), line))
+    cached = _sites.get((id(code), offset))
     if cached is not None and cached[0] is code:
         return cached[1]
+    line = line_at(code, offset)
     site = (f',"file":{json.dumps(code.co_filename)},"line":{line},"func":{json.dumps(code.co_name)},'
             f'"where":{json.dumps(label(code.co_filename, line))}')
-    _sites[(id(code), line)] = (code, site)
+    _sites[(id(code), offset)] = (code, site)
     return site
+
+
+def line_at(code: Any, offset: int) -> int:
+    """The source line of the instruction at byte ``offset`` of ``code`` (what ``f_lineno`` says of
+    a frame stopped there; 0 when the instruction has none)."""
+    for start, end, line in code.co_lines():
+        if start <= offset < end:
+            return line or 0
+    return 0
 
 
 def user_frame(frame: Any) -> Any:

@@ -35,12 +35,14 @@ from typing import Any
 
 from helpers import rundir
 from helpers.collectives import MULTI_OPS, OPS, P2P_OPS
-from helpers.trace.callsites import site_json, user_frame
+from helpers.trace.callsites import site_json, user_files, user_frame
 
 FLUSH_S = 0.05  # the helper thread writes the queued records this often
 QUEUE_MAX = 512  # queued records past which the calling thread writes them itself (no helper)
 _OP, _END = 0, 1  # queued tuples: (_OP, id, name, plan, group, seq, blocking, tensors, peer, code,
-#                   line, t) and (_END, id, t, seq_end); anything else queued is a record dict
+#                   offset, t) and (_END, id, t, seq_end), offset the call's instruction in the
+#                   code (f_lasti: the line is looked up when the record is written); anything else
+#                   queued is a record dict
 _NO_SEQ_END = object()  # an end without "seq_end" (only calls that issue several collectives have one)
 
 
@@ -115,40 +117,6 @@ class Tracer:
         texts += after
         if texts:
             _write_all(self.fd, "".join(texts).encode())
-
-    def call(self, name: str, fn: Callable, args: tuple, kwargs: dict, plan: _Plan) -> Any:
-        """Record and run one outermost torch.distributed call.
-
-        The hot path: it queues what only the moment of the call knows (the group's sequence
-        number, the user's line, the clock) and the two arguments the record describes (the
-        compared tensor and the peer; never the outputs, which the queue must not keep alive).
-        """
-        op_id = next(self.ids)
-        group, seq, blocking, tensors, peer = plan.capture(args, kwargs)
-        frame = user_frame(sys._getframe(2))
-        code, line = (frame.f_code, frame.f_lineno) if frame is not None else (None, 0)
-        queue = self.queue
-        queue.append((_OP, op_id, name, plan, group, seq, blocking, tensors, peer, code, line, time.time()))
-        if plan.first(group, code, line, tensors):
-            self.flush()  # on file before the call: gloo aborts the process at once on a size mismatch
-        self.calls += 1
-        self.open_sync += blocking
-        try:
-            result = fn(*args, **kwargs)
-        except BaseException as exc:
-            self.write({"ev": "end", "id": op_id, "t": time.time(), "ok": False,
-                        "error": f"{type(exc).__name__}: {exc}"[:800]})
-            raise
-        finally:
-            self.calls += 1
-            self.open_sync -= blocking
-        if not blocking and result is not None:
-            self._watch_async(op_id, result)
-            return result
-        seq_end = plan.sequence(args, kwargs) if plan.multi and seq is not None else _NO_SEQ_END
-        queue.append((_END, op_id, time.time(), seq_end))
-        self._ended(op_id)
-        return result
 
     def _ended(self, op_id: int, wait: bool = True) -> None:
         """An end was queued: write it now if its start has left the queue (no call shows as
@@ -234,14 +202,20 @@ def _format(item: Any) -> str:
         _kind, op_id, t, seq_end = item
         extra = "" if seq_end is _NO_SEQ_END else f',"seq_end":{json.dumps(seq_end)}'
         return f'{{"ev":"end","id":{op_id},"t":{t!r},"ok":true{extra}}}\n'
-    _kind, op_id, name, plan, group, seq, blocking, tensors, peer, code, line, t = item
-    site = site_json(code, line) if code is not None else ""
+    _kind, op_id, name, plan, group, seq, blocking, tensors, peer, code, offset, t = item
+    site = site_json(code, offset) if code is not None else ""
     return (f'{{"ev":"op","id":{op_id},"op":"{name}",{plan.fields(group, seq, blocking, tensors, peer)}'
             f'{site},"t":{t!r}}}\n')
 
 
 current: Tracer | None = None  # the tracer of this process, once installed
-_local = threading.local()
+
+
+class _Local(threading.local):
+    inside = False  # in a traced call already (its inner calls are not recorded again)
+
+
+_local = _Local()
 
 
 def _forget_in_child() -> None:
@@ -253,19 +227,76 @@ os.register_at_fork(after_in_child=_forget_in_child)
 
 
 def _wrap(name: str, original: Callable, plan: _Plan) -> Callable:
+    """``original`` traced: each outermost call of it is recorded.
+
+    The wrapper queues what only the moment of the call knows (the group's sequence number, the
+    user's call site, the clock) and the two arguments the record describes (the compared tensor
+    and the peer; never the outputs, which the queue must not keep alive); the helper thread
+    writes the records. It is one function that reads the arguments inline, on purpose: a
+    collective leaves the processor's caches cold, and there each Python call costs microseconds
+    (bench/doctor_bench.py, section 2).
+    """
+    group_at, async_at, compared_at, peer_at = plan.group, plan.async_op, plan.compared, plan.peer_at
+    multi, seen, now, caller = plan.multi, plan.seen, time.time, sys._getframe
+
     @functools.wraps(original)
     def traced(*args: Any, **kwargs: Any) -> Any:
         tracer = current
-        if tracer is None or getattr(_local, "inside", False):
+        if tracer is None or _local.inside:
             return original(*args, **kwargs)
         _local.inside = True
         try:
-            return tracer.call(name, original, args, kwargs, plan)
+            op_id = next(tracer.ids)
+            count = len(args)
+            group = args[group_at[0]] if group_at[0] < count else kwargs.get(group_at[1])
+            try:
+                seq = (group if group is not None else _default_group())._get_sequence_number_for_group() + 1
+            except Exception:  # noqa: BLE001 - no group yet: torch raises its own error
+                seq = None
+            blocking = not (args[async_at[0]] if async_at[0] < count else kwargs.get(async_at[1]))
+            tensors = args[compared_at[0]] if compared_at[0] < count else kwargs.get(compared_at[1])
+            peer = args[peer_at[0]] if peer_at[0] < count else kwargs.get(peer_at[1])
+            frame = caller(1)
+            if user_files.get(frame.f_code.co_filename) is not True:
+                frame = user_frame(frame)
+            code, offset = (frame.f_code, frame.f_lasti) if frame is not None else (None, 0)
+            queue = tracer.queue
+            queue.append((_OP, op_id, name, plan, group, seq, blocking, tensors, peer, code, offset, now()))
+            signature = (id(group), id(code), offset, getattr(tensors, "nbytes", None))
+            try:
+                first = signature not in seen  # the first call from this site with this many bytes
+            except TypeError:  # an unhashable "nbytes" (not a tensor's): a first every time
+                first = True
+            if first:
+                plan.remember(signature)
+                tracer.flush()  # on file before the call: gloo aborts the process at once on a size mismatch
+            tracer.calls += 1
+            tracer.open_sync += blocking
+            try:
+                result = original(*args, **kwargs)
+            except BaseException as exc:
+                tracer.write({"ev": "end", "id": op_id, "t": now(), "ok": False,
+                              "error": f"{type(exc).__name__}: {exc}"[:800]})
+                raise
+            finally:
+                tracer.calls += 1
+                tracer.open_sync -= blocking
+            if not blocking and result is not None:
+                tracer._watch_async(op_id, result)
+                return result
+            seq_end = plan.sequence(args, kwargs) if multi and seq is not None else _NO_SEQ_END
+            queue.append((_END, op_id, now(), seq_end))
+            if tracer.started_on_file >= op_id or len(queue) > QUEUE_MAX:  # as ``Tracer._ended``
+                tracer.flush()
+            return result
         finally:
             _local.inside = False
 
     traced._helpers_traced = True  # type: ignore[attr-defined]
     return traced
+
+
+_ABSENT = (1 << 30, "\0")  # where a parameter an op lacks would be: read as None, no test per call
 
 
 class _Plan:
@@ -274,42 +305,32 @@ class _Plan:
     def __init__(self, name: str, fn: Callable):
         compared, peer = OPS[name]
         params = list(inspect.signature(fn).parameters)
-        self.compared, self.peer = compared, peer
-        self.group = (params.index("group"), "group") if "group" in params else None
-        self.async_op = (params.index("async_op"), "async_op") if "async_op" in params else None
+        # where each argument is, as (position, keyword): read inline by ``_wrap``'s wrapper
+        self.group = (params.index("group"), "group") if "group" in params else _ABSENT
+        self.async_op = (params.index("async_op"), "async_op") if "async_op" in params else _ABSENT
+        self.compared, self.peer_at = compared or _ABSENT, peer or _ABSENT
+        self.has_peer = peer is not None
         self.p2p = name in P2P_OPS
         self.multi = name in MULTI_OPS
-        self.seen: set[tuple] = set()  # (group, code, line, nbytes) of the calls made
+        self.seen: set[tuple] = set()  # (group, code, offset, nbytes) of the calls made
 
     def sequence(self, args: tuple, kwargs: dict) -> int | None:
         """torch's sequence number of the group the call uses (collectives and p2p both count)."""
         return _sequence(_argument(args, kwargs, self.group))
 
-    def capture(self, args: tuple, kwargs: dict) -> tuple[Any, int | None, bool, Any, Any]:
-        """What only the moment of the call knows: the group, the sequence number the call will
-        take in it, whether it blocks; and the two arguments the record describes later (the
-        compared tensor or tensors and the peer: not the outputs, which the queue must not keep)."""
-        group = _argument(args, kwargs, self.group)
-        seq = _sequence(group)
-        return (group, None if seq is None else seq + 1, not _argument(args, kwargs, self.async_op),
-                _argument(args, kwargs, self.compared), _argument(args, kwargs, self.peer))
-
-    def first(self, group: Any, code: Any, line: int, tensors: Any) -> bool:
-        """Is this the first call from this line in this group with a tensor of this many bytes?
+    def remember(self, signature: tuple) -> None:
+        """Note a call's signature (the group, the code and the call's offset in it, the compared
+        tensor's bytes): the wrapper writes the first call of each before it runs.
 
         Bytes, not shapes: gloo aborts the process when the ranks' byte counts differ, and
         ``nbytes`` is one attribute where shape and dtype are two objects to make and hash.
         """
-        signature = (id(group), id(code), line, getattr(tensors, "nbytes", None))
-        try:
-            if signature in self.seen:
-                return False
-        except TypeError:  # an unhashable "nbytes" (not a tensor's): a first every time
-            return True
         if len(self.seen) >= _SEEN_KEPT:
             self.seen.clear()
-        self.seen.add(signature)
-        return True
+        try:
+            self.seen.add(signature)
+        except TypeError:  # unhashable: never remembered
+            pass
 
     def fields(self, group: Any, seq: int | None, blocking: bool, tensors: Any, peer: Any) -> str:
         """The call's record fields as JSON text: group, sequence number, shapes, dtypes, peer and
@@ -318,7 +339,7 @@ class _Plan:
         if self.p2p:
             fields += ',"p2p":true'
         fields += _tensors_json(tensors)
-        if self.peer is not None:
+        if self.has_peer:
             fields += f',"peer":{json.dumps(_integer(peer))}'
         if not blocking:
             fields += ',"async":true'
@@ -401,9 +422,7 @@ def _default_group() -> Any:
     return _world._default_pg
 
 
-def _argument(args: tuple, kwargs: dict, where: tuple[int, str] | None) -> Any:
-    if where is None:
-        return None
+def _argument(args: tuple, kwargs: dict, where: tuple[int, str]) -> Any:
     index, name = where
     return args[index] if index < len(args) else kwargs.get(name)
 
