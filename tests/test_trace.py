@@ -317,3 +317,22 @@ def test_run_script_runs_the_script_as_main(tmp_path, leftovers):
     assert info.value.exit_code == 3
     assert sys.executable
     leftovers.check()
+
+
+def test_a_call_site_is_named_by_its_line_from_the_instruction_offset():
+    import sys
+
+    from helpers.trace.callsites import line_at, site_json
+
+    def called():  # as the tracer's wrapper sees its caller: stopped at the call
+        caller = sys._getframe(1)
+        return caller.f_code, caller.f_lasti, caller.f_lineno
+
+    code, offset, line = called()
+    assert line_at(code, offset) == line
+    code, offset, line = (
+        called())  # a call on another line than its statement's first
+    assert line_at(code, offset) == line
+    site = json.loads("{" + site_json(code, offset)[1:] + "}")
+    assert site["line"] == line and site["func"] == code.co_name
+    assert line_at(code, 1 << 30) == 0  # past the code: no line

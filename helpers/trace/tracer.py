@@ -6,7 +6,8 @@ and start time; then its end (completed or raised). The ops are ``helpers.collec
 
 The calling thread only notes what it must read at call time (the sequence number, the call site,
 the clock) on a queue; the helper thread (``helpers.trace.helper``) writes the queue out every
-``FLUSH_S``, in one ``os.write``. Formatting the records after each collective cost three to five
+``FLUSH_S``, ``WRITE_EVERY`` records per ``os.write`` (a write lets go of the GIL, so the main
+thread never waits for a whole batch's text). Formatting the records after each collective cost three to five
 times what it costs in a batch: a collective leaves the processor's caches cold, and a record
 touches many Python objects (bench/doctor_bench.py). What is written survives the rank being
 killed, and the file never shows a call as still running once it has returned: a call that lasts
@@ -39,6 +40,7 @@ from helpers.trace.callsites import site_json, user_files, user_frame
 
 FLUSH_S = 0.05  # the helper thread writes the queued records this often
 QUEUE_MAX = 512  # queued records past which the calling thread writes them itself (no helper)
+WRITE_EVERY = 16  # records formatted per write while the queue is written out
 _OP, _END = 0, 1  # queued tuples: (_OP, id, name, plan, group, seq, blocking, tensors, peer, code,
 #                   offset, t) and (_END, id, t, seq_end), offset the call's instruction in the
 #                   code (f_lasti: the line is looked up when the record is written); anything else
@@ -98,10 +100,13 @@ class Tracer:
             os.close(self.fd)
 
     def _drain(self, after: list[str]) -> None:
-        """Holding ``lock``: format the queue in order and append it, then ``after``, in one write.
+        """Holding ``lock``: format the queue in order and append it, then ``after``.
 
-        An item that cannot be described is written as a bare record naming the error, and a
-        failed write drops the batch: the tracer never breaks the user's call or its own thread.
+        It writes every ``WRITE_EVERY`` records: the write lets go of the GIL, so a rank's main
+        thread coming back from a collective waits for a few records' text at most, not for the
+        whole batch. An item that cannot be described is written as a bare record naming the
+        error, and a failed write drops those records: the tracer never breaks the user's call or
+        its own thread.
         """
         queue = self.queue
         if self.closed:
@@ -114,6 +119,9 @@ class Tracer:
                 self.started_on_file = max(self.started_on_file, item[1])
             queue.popleft()
             texts.append(_record_text(item))
+            if len(texts) >= WRITE_EVERY:
+                _write_all(self.fd, "".join(texts).encode())
+                texts = []
         texts += after
         if texts:
             _write_all(self.fd, "".join(texts).encode())
@@ -372,12 +380,13 @@ def _tensors_json(value: Any) -> str:
         return ""
     if isinstance(value, (list, tuple)):
         tensors = [v for v in value if hasattr(v, "shape")]
-    elif hasattr(value, "shape"):
-        tensors = [value]
+        key: Any = tuple((t.shape, t.dtype) for t in tensors)
     else:
-        return ""
+        shape = getattr(value, "shape", None)  # one tensor, the usual case: no lists to build
+        if shape is None:
+            return ""
+        tensors, key = [value], (shape, getattr(value, "dtype", None))
     try:
-        key = tuple((t.shape, t.dtype) for t in tensors)
         text = _shapes.get(key)
     except TypeError:  # an unhashable shape (not a tensor): described, not cached
         key, text = None, None
