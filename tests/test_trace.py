@@ -336,3 +336,27 @@ def test_a_call_site_is_named_by_its_line_from_the_instruction_offset():
     site = json.loads("{" + site_json(code, offset)[1:] + "}")
     assert site["line"] == line and site["func"] == code.co_name
     assert line_at(code, 1 << 30) == 0  # past the code: no line
+
+
+def test_a_call_with_no_python_frame_above_it_is_recorded_without_a_site(tmp_path):
+    import _thread
+
+    import torch.distributed as dist
+
+    from helpers.trace import tracer as tracing
+
+    tracer = tracing.Tracer(tmp_path, 0)
+    ran = threading.Lock()
+    ran.acquire()
+    plan = tracing._Plan("barrier", dist.barrier)
+    traced = tracing._wrap("barrier", lambda *args, **kwargs: ran.release(), plan)
+    installed, tracing.current = tracing.current, tracer
+    try:
+        _thread.start_new_thread(traced, ())  # the wrapper is the thread's first Python frame
+        assert ran.acquire(timeout=30)
+        tracer.flush()
+    finally:
+        tracing.current = installed
+        os.close(tracer.fd)
+    op = json.loads((tmp_path / "trace-0.jsonl").read_text().splitlines()[0])
+    assert op["op"] == "barrier" and "where" not in op

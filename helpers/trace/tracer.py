@@ -264,8 +264,11 @@ def _wrap(name: str, original: Callable, plan: _Plan) -> Callable:
             blocking = not (args[async_at[0]] if async_at[0] < count else kwargs.get(async_at[1]))
             tensors = args[compared_at[0]] if compared_at[0] < count else kwargs.get(compared_at[1])
             peer = args[peer_at[0]] if peer_at[0] < count else kwargs.get(peer_at[1])
-            frame = caller(1)
-            if user_files.get(frame.f_code.co_filename) is not True:
+            try:
+                frame = caller(1)
+            except ValueError:  # called with no Python frame above (from C, first in a thread)
+                frame = None
+            if frame is not None and user_files.get(frame.f_code.co_filename) is not True:
                 frame = user_frame(frame)
             code, offset = (frame.f_code, frame.f_lasti) if frame is not None else (None, 0)
             queue = tracer.queue
