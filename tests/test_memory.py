@@ -94,7 +94,9 @@ def test_both_strategies_on_one_rank(leftovers):
 
 
 def test_ranks_agree_on_the_minimum_where_accelerate_ranks_disagree(leftovers):
-    result = memory.explore("mlp", BUDGET, 256, "both", num_processes=2, rank_budgets_mib=[BUDGET, 48])
+    # rank 0 far above rank 1: at 64 MiB against 48 one sample of probe noise (PROBE_NOISE) took
+    # accelerate's rank 0 down its 0.9 steps to rank 1's answer once in a full run
+    result = memory.explore("mlp", BUDGET, 256, "both", num_processes=2, rank_budgets_mib=[2 * BUDGET, 48])
     search, baseline = result.search, result.accelerate
     assert search.per_rank_found == [search.found] * 2 and search.agreed
     assert baseline.per_rank_found[1] < baseline.per_rank_found[0] and not baseline.agreed
