@@ -60,10 +60,19 @@ def _records_on_file(rank: int) -> list[dict]:
     return [json.loads(line) for line in text.split("\n")[:-1]]
 
 
+def _ends(records: list[dict]) -> dict[int, dict]:
+    """Each ended call's end, by op id: an end record, or the op record's own (``te``), written
+    when the call had returned before its record left the queue."""
+    ends = {r["id"]: {"t": r["te"], "ok": r["ok"], **({"seq_end": r["seq_end"]} if "seq_end" in r else {})}
+            for r in records if r["ev"] == "op" and "te" in r}
+    ends.update((r["id"], r) for r in records if r["ev"] == "end")
+    return ends
+
+
 def _ended_on_file(rank: int, op: str) -> bool:
     records = _records_on_file(rank)
     ids = {r["id"] for r in records if r["ev"] == "op" and r["op"] == op}
-    return any(r["ev"] == "end" and r["id"] in ids for r in records)
+    return bool(ids & set(_ends(records)))
 
 
 def _wait_until(condition, what: str, within_s: float = 10.0) -> None:
@@ -81,7 +90,7 @@ def test_records_every_call_once_with_site_shapes_and_outcome(tmp_path, leftover
     for rank in (0, 1):
         records = [json.loads(line) for line in (tmp_path / f"trace-{rank}.jsonl").read_text().splitlines()]
         ops = [r for r in records if r["ev"] == "op"]
-        ends = {r["id"]: r for r in records if r["ev"] == "end"}
+        ends = _ends(records)
         names = [r["op"] for r in ops]
         assert names == ["all_reduce", "broadcast", "all_gather_object", "all_reduce",
                          "send" if rank == 0 else "recv", "broadcast", "barrier"], names
@@ -147,7 +156,7 @@ def test_queued_records_are_written_in_order_without_a_helper_thread(tmp_path):
     path = tmp_path / "trace-0.jsonl"
     on_file = []
     try:
-        for number in range(QUEUE_MAX):  # two records a call: past QUEUE_MAX the caller writes
+        for number in range(QUEUE_MAX + 2):  # past QUEUE_MAX queued calls the caller writes them
             _call_traced(tracer, "barrier", plan)
             if number < 2:
                 on_file.append(len(path.read_text().splitlines()))
@@ -157,8 +166,11 @@ def test_queued_records_are_written_in_order_without_a_helper_thread(tmp_path):
         records = [json.loads(line) for line in path.read_text().splitlines()]
     finally:
         os.close(tracer.fd)
-    assert [(r["ev"], r["id"]) for r in records] == [(ev, i) for i in range(1, QUEUE_MAX + 1)
-                                                     for ev in ("op", "end")]
+    # the first call: its start written before it ran, then its end; the others: one record each,
+    # with their end, as they had returned when the queue was written
+    assert [(r["ev"], r["id"], "te" in r) for r in records] == [("op", 1, False), ("end", 1, False)] + [
+        ("op", i, True) for i in range(2, QUEUE_MAX + 3)]
+    assert all(r["ok"] and r["te"] >= r["t"] for r in records[2:])
     assert records[0]["op"] == "barrier" and records[0]["seq"] is None  # no group: no number
 
 
@@ -175,7 +187,7 @@ def test_os_exit_writes_the_queued_records_first(tmp_path, leftovers):
     for rank in (0, 1):
         records = [json.loads(line) for line in (tmp_path / f"trace-{rank}.jsonl").read_text().splitlines()]
         barrier = [r["id"] for r in records if r["ev"] == "op" and r["op"] == "barrier"]
-        assert barrier and any(r["ev"] == "end" and r["id"] == barrier[-1] for r in records), records
+        assert barrier and barrier[-1] in _ends(records), records
     leftovers.check()
 
 

@@ -86,6 +86,8 @@ class RankView:
         kind = event.get("ev")
         if kind == "op":
             self._start(event)
+            if "te" in event:  # a call that had returned when its record was written
+                self._end({"id": event["id"], "t": event["te"], "ok": event.get("ok")})
         elif kind == "end":
             self._end(event)
         elif kind == "pg":

@@ -101,7 +101,7 @@ class Helper(threading.Thread):
         self.fifo: int | None = None
         self.last: dict[str, list[int]] = {}  # the progress last noted
         self.pending = b""  # a request line not complete yet
-        self.motion: tuple = ()  # (progress, calls) when last seen moving
+        self.motion: tuple = ()  # (progress, records written) when last seen moving
         self.still_since, self.written = time.time(), False  # the state written since it stopped
         path = rundir.control_path(tracer.run_dir, tracer.rank) if tracer.run_dir is not None else None
         if path is not None and path.exists():
@@ -135,7 +135,7 @@ class Helper(threading.Thread):
             self.pending += _read_available(self.fifo)
             *requests, self.pending = self.pending.split(b"\n")
             self._answer([request.decode(errors="replace") for request in requests])
-        now = (progress, self.tracer.calls)
+        now = (progress, self.tracer.written)
         if now != self.motion:
             self.motion, self.still_since, self.written = now, time.time(), False
         elif not self.written and time.time() - self.still_since >= AUTO_STATE_S and self._waiting(progress):
@@ -150,7 +150,7 @@ class Helper(threading.Thread):
             write_state(self.tracer, states[-1])  # only the latest matters
 
     def _waiting(self, progress: dict[str, list[int]]) -> bool:
-        return self.tracer.open_sync > 0 or any(enq > done for enq, done in progress.values())
+        return self.tracer.in_blocking_call() or any(enq > done for enq, done in progress.values())
 
     def stop(self) -> None:
         self.stopping.set()

@@ -41,10 +41,12 @@ from helpers.trace.callsites import site_json, user_files, user_frame
 FLUSH_S = 0.05  # the helper thread writes the queued records this often
 QUEUE_MAX = 512  # queued records past which the calling thread writes them itself (no helper)
 WRITE_EVERY = 16  # records formatted per write while the queue is written out
-_OP, _END = 0, 1  # queued tuples: (_OP, id, name, plan, group, seq, blocking, tensors, peer, code,
-#                   offset, t) and (_END, id, t, seq_end), offset the call's instruction in the
-#                   code (f_lasti: the line is looked up when the record is written); anything else
-#                   queued is a record dict
+_OP, _END = 0, 1  # queued: an op's list [_OP, id, plan, group, seq, blocking, tensors, peer, code,
+#                   offset, t, ended, seq_end] (offset: the call's instruction in the code, f_lasti,
+#                   its line looked up when the record is written; ended: its end time, once it has
+#                   returned), an end tuple (_END, id, t, seq_end), or a record dict
+_ENDED, _SEQ_END = 11, 12  # where an op's list holds its end
+_SECONDS = "%.6f"  # a record's times: printf's formatting takes half the time of repr() or format()
 _NO_SEQ_END = object()  # an end without "seq_end" (only calls that issue several collectives have one)
 
 
@@ -63,8 +65,8 @@ class Tracer:
         self.ids = itertools.count(1)
         self.helper: Any = None  # helpers.trace.helper.Helper, once started
         self.originals: dict[tuple[Any, str], Callable] = {}
-        self.calls = 0  # Python-level calls started or ended (the helper sees motion)
-        self.open_sync = 0  # blocking calls in progress
+        self.written = 0  # queued items written so far (the helper thread sees motion)
+        self.running: list[list] = []  # blocking calls written before they returned, maybe returned since
         self.queue: collections.deque = collections.deque()  # records not written yet, in order
         self.lock = threading.RLock()  # one writer at a time (re-entrant: a signal handler's call)
         self.started_on_file = 0  # the highest op id whose start record has left the queue
@@ -112,19 +114,27 @@ class Tracer:
         if self.closed:
             queue.clear()
             return
-        texts = []
+        texts, running = [], [item for item in self.running if item[_ENDED] is None]
         while queue:
-            item = queue[0]
-            if type(item) is tuple and item[0] == _OP:  # before it leaves: a caller checks it
-                self.started_on_file = max(self.started_on_file, item[1])
-            queue.popleft()
+            item = queue.popleft()
+            if type(item) is list:
+                if item[1] > self.started_on_file:  # before its end is read: see ``_wrap``
+                    self.started_on_file = item[1]
+                if item[5] and item[_ENDED] is None:  # blocking, not returned yet
+                    running.append(item)
             texts.append(_record_text(item))
+            self.written += 1
             if len(texts) >= WRITE_EVERY:
                 _write_all(self.fd, "".join(texts).encode())
                 texts = []
+        self.running = running
         texts += after
         if texts:
             _write_all(self.fd, "".join(texts).encode())
+
+    def in_blocking_call(self) -> bool:
+        """Is a blocking call written as running still running (as of the last write)?"""
+        return any(item[_ENDED] is None for item in self.running)
 
     def _ended(self, op_id: int, wait: bool = True) -> None:
         """An end was queued: write it now if its start has left the queue (no call shows as
@@ -159,6 +169,7 @@ class Tracer:
         """In a forked child: the queued records are the parent's to write, and the lock may have
         been held by a thread that does not exist here."""
         self.queue.clear()
+        self.running = []
         self.lock = threading.RLock()
 
     def patch(self) -> None:
@@ -197,33 +208,70 @@ def _record_text(item: Any) -> str:
     try:
         return _format(item)
     except Exception as exc:  # noqa: BLE001 - an argument torch took that the record cannot describe
-        if type(item) is not tuple or item[0] != _OP:
+        if type(item) is not list:
             return ""
-        return json.dumps({"ev": "op", "id": item[1], "op": item[2], "seq": item[5], "t": item[11],
+        return json.dumps({"ev": "op", "id": item[1], "op": item[2].name, "seq": item[4], "t": item[10],
                            "unrecorded": f"{type(exc).__name__}: {exc}"[:200]}) + "\n"
 
 
 def _format(item: Any) -> str:
-    if type(item) is not tuple:
-        return json.dumps(item, separators=(",", ":"), default=str) + "\n"
-    if item[0] == _END:
+    """An op (with its end, ``"te"``, when it has returned), an end, or a record dict as a line."""
+    kind = type(item)
+    if kind is tuple:
         _kind, op_id, t, seq_end = item
         extra = "" if seq_end is _NO_SEQ_END else f',"seq_end":{json.dumps(seq_end)}'
-        return f'{{"ev":"end","id":{op_id},"t":{t!r},"ok":true{extra}}}\n'
-    _kind, op_id, name, plan, group, seq, blocking, tensors, peer, code, offset, t = item
-    site = site_json(code, offset) if code is not None else ""
-    return (f'{{"ev":"op","id":{op_id},"op":"{name}",{plan.fields(group, seq, blocking, tensors, peer)}'
-            f'{site},"t":{t!r}}}\n')
+        return f'{{"ev":"end","id":{op_id},"t":{_SECONDS % t},"ok":true{extra}}}\n'
+    if kind is not list:
+        return json.dumps(item, separators=(",", ":"), default=str) + "\n"
+    _kind, op_id, plan, group, seq, blocking, tensors, peer, code, offset, t, ended, seq_end = item
+    head, tail = _op_texts(plan, group, blocking, tensors, peer, code, offset)
+    if ended is not None:
+        tail += f',"te":{_SECONDS % ended},"ok":true'
+        if seq_end is not _NO_SEQ_END:
+            tail += f',"seq_end":{json.dumps(seq_end)}'
+    seq_text = "null" if seq is None else seq
+    return f'{{"ev":"op","id":{op_id},{head},"seq":{seq_text}{tail},"t":{_SECONDS % t}}}\n'
+
+
+_texts: dict[tuple, tuple[Any, Any, str, str]] = {}  # a call's key -> (code, group, head, tail)
+_TEXTS_KEPT = 4096  # distinct calls cached (a loop with ever-new shapes must not grow memory)
+
+
+def _op_texts(plan: _Plan, group: Any, blocking: bool, tensors: Any, peer: Any, code: Any,
+              offset: int) -> tuple[str, str]:
+    """An op record's text but its id, sequence number and time: what is before ``"seq"`` (op and
+    group) and after it (shapes, dtypes, peer, async flag, call site).
+
+    Cached per call site, group, shapes, peer and mode: a training loop repeats a few, and
+    formatting each record anew cost the helper thread about 10 us per call inside a rank. Keyed
+    by the group's and the code's ids, kept alive in the entry and checked on a hit (hashing a code
+    object hashes its constants at every call).
+    """
+    try:
+        key: Any = (plan, id(group), id(code), offset, _shapes_key(tensors), peer, blocking)
+        cached = _texts.get(key)
+    except TypeError:  # an unhashable shape or peer (not a tensor's, not a rank): described, not cached
+        key, cached = None, None
+    if cached is not None and cached[0] is code and cached[1] is group:
+        return cached[2], cached[3]
+    head = f'"op":"{plan.name}","pg":"{_group_name(group)}"'
+    tail = plan.fields(blocking, tensors, peer) + (site_json(code, offset) if code is not None else "")
+    if key is not None:
+        if len(_texts) >= _TEXTS_KEPT:
+            _texts.clear()
+        _texts[key] = (code, group, head, tail)
+    return head, tail
+
+
+def _shapes_key(value: Any) -> Any:
+    """What a record says of the compared argument, as a dict key: each tensor's shape and dtype."""
+    if isinstance(value, (list, tuple)):
+        return tuple((v.shape, v.dtype) for v in value if hasattr(v, "shape"))
+    shape = getattr(value, "shape", None)
+    return None if shape is None else (shape, getattr(value, "dtype", None))
 
 
 current: Tracer | None = None  # the tracer of this process, once installed
-
-
-class _Local(threading.local):
-    inside = False  # in a traced call already (its inner calls are not recorded again)
-
-
-_local = _Local()
 
 
 def _forget_in_child() -> None:
@@ -240,25 +288,27 @@ def _wrap(name: str, original: Callable, plan: _Plan) -> Callable:
     The wrapper queues what only the moment of the call knows (the group's sequence number, the
     user's call site, the clock) and the two arguments the record describes (the compared tensor
     and the peer; never the outputs, which the queue must not keep alive); the helper thread
-    writes the records. It is one function that reads the arguments inline, on purpose: a
-    collective leaves the processor's caches cold, and there each Python call costs microseconds
-    (bench/doctor_bench.py, section 2).
+    writes the records. A blocking call's end goes into its queued item (one record for both, when
+    the call has ended by the time the helper writes it). It is one function that reads the
+    arguments inline, on purpose: a collective leaves the processor's caches cold, and there each
+    Python call costs microseconds (bench/doctor_bench.py, section 2).
     """
     group_at, async_at, compared_at, peer_at = plan.group, plan.async_op, plan.compared, plan.peer_at
     multi, seen, now, caller = plan.multi, plan.seen, time.time, sys._getframe
+    default_group, thread, inside = _default_group_reader(), threading.get_ident, _inside
 
     @functools.wraps(original)
     def traced(*args: Any, **kwargs: Any) -> Any:
-        tracer = current
-        if tracer is None or _local.inside:
+        tracer, me = current, thread()
+        if tracer is None or me in inside:
             return original(*args, **kwargs)
-        _local.inside = True
+        inside.add(me)
         try:
             op_id = next(tracer.ids)
             count = len(args)
             group = args[group_at[0]] if group_at[0] < count else kwargs.get(group_at[1])
             try:
-                seq = (group if group is not None else _default_group())._get_sequence_number_for_group() + 1
+                seq = (group if group is not None else default_group())._get_sequence_number_for_group() + 1
             except Exception:  # noqa: BLE001 - no group yet: torch raises its own error
                 seq = None
             blocking = not (args[async_at[0]] if async_at[0] < count else kwargs.get(async_at[1]))
@@ -272,7 +322,9 @@ def _wrap(name: str, original: Callable, plan: _Plan) -> Callable:
                 frame = user_frame(frame)
             code, offset = (frame.f_code, frame.f_lasti) if frame is not None else (None, 0)
             queue = tracer.queue
-            queue.append((_OP, op_id, name, plan, group, seq, blocking, tensors, peer, code, offset, now()))
+            item = [_OP, op_id, plan, group, seq, blocking, tensors, peer, code, offset, now(), None,
+                    _NO_SEQ_END]
+            queue.append(item)
             signature = (id(group), id(code), offset, getattr(tensors, "nbytes", None))
             try:
                 first = signature not in seen  # the first call from this site with this many bytes
@@ -281,30 +333,45 @@ def _wrap(name: str, original: Callable, plan: _Plan) -> Callable:
             if first:
                 plan.remember(signature)
                 tracer.flush()  # on file before the call: gloo aborts the process at once on a size mismatch
-            tracer.calls += 1
-            tracer.open_sync += blocking
             try:
                 result = original(*args, **kwargs)
             except BaseException as exc:
                 tracer.write({"ev": "end", "id": op_id, "t": now(), "ok": False,
                               "error": f"{type(exc).__name__}: {exc}"[:800]})
+                item[_ENDED] = now()  # after its start left the queue: it is no longer running
                 raise
-            finally:
-                tracer.calls += 1
-                tracer.open_sync -= blocking
             if not blocking and result is not None:
                 tracer._watch_async(op_id, result)
                 return result
-            seq_end = plan.sequence(args, kwargs) if multi and seq is not None else _NO_SEQ_END
-            queue.append((_END, op_id, now(), seq_end))
-            if tracer.started_on_file >= op_id or len(queue) > QUEUE_MAX:  # as ``Tracer._ended``
+            if multi and seq is not None:
+                item[_SEQ_END] = plan.sequence(args, kwargs)
+            item[_ENDED] = now()  # its end, if the helper has not written the start yet
+            if tracer.started_on_file >= op_id:  # it has (see ``Tracer._drain``)
+                queue.append((_END, op_id, item[_ENDED], item[_SEQ_END]))
+                tracer.flush()
+            elif len(queue) > QUEUE_MAX:  # no helper thread
                 tracer.flush()
             return result
         finally:
-            _local.inside = False
+            inside.discard(me)
 
     traced._helpers_traced = True  # type: ignore[attr-defined]
     return traced
+
+
+_inside: set[int] = set()  # the threads in a traced call (its inner calls are not recorded again)
+
+
+def _default_group_reader() -> Callable[[], Any]:
+    """A function of no arguments that returns the default process group (None before
+    ``init_process_group``): torch's ``_world._default_pg`` read in C where it exists
+    (``_get_default_group()`` costs three Python calls, and this runs at every traced call)."""
+    import torch.distributed.distributed_c10d as c10d
+
+    world = getattr(c10d, "_world", None)
+    if world is not None and hasattr(world, "_default_pg"):
+        return functools.partial(getattr, world, "_default_pg")
+    return lambda: c10d.GroupMember.WORLD  # another torch: its public spelling
 
 
 _ABSENT = (1 << 30, "\0")  # where a parameter an op lacks would be: read as None, no test per call
@@ -315,6 +382,7 @@ class _Plan:
 
     def __init__(self, name: str, fn: Callable):
         compared, peer = OPS[name]
+        self.name = name
         params = list(inspect.signature(fn).parameters)
         # where each argument is, as (position, keyword): read inline by ``_wrap``'s wrapper
         self.group = (params.index("group"), "group") if "group" in params else _ABSENT
@@ -343,12 +411,10 @@ class _Plan:
         except TypeError:  # unhashable: never remembered
             pass
 
-    def fields(self, group: Any, seq: int | None, blocking: bool, tensors: Any, peer: Any) -> str:
-        """The call's record fields as JSON text: group, sequence number, shapes, dtypes, peer and
-        async flag (the group's name and the shapes' text are cached: a loop repeats a few)."""
-        fields = f'"pg":"{_group_name(group)}","seq":{"null" if seq is None else seq}'
-        if self.p2p:
-            fields += ',"p2p":true'
+    def fields(self, blocking: bool, tensors: Any, peer: Any) -> str:
+        """The call's record fields after the sequence number, as JSON text: p2p flag, shapes,
+        dtypes, peer and async flag."""
+        fields = ',"p2p":true' if self.p2p else ""
         fields += _tensors_json(tensors)
         if self.has_peer:
             fields += f',"peer":{json.dumps(_integer(peer))}'
@@ -367,40 +433,24 @@ def _integer(value: Any) -> Any:
 
 def _sequence(group: Any) -> int | None:
     try:
-        return (_default_group() if group is None else group)._get_sequence_number_for_group()
+        return (_default_group_reader()() if group is None else group)._get_sequence_number_for_group()
     except Exception:  # noqa: BLE001 - no group yet (None): torch will raise its own error
         return None
 
 
-_shapes: dict[tuple, str] = {}  # (shape, dtype) per tensor -> their record text
-_SHAPES_KEPT = 4096  # distinct shape lists cached (a loop with ever-new shapes must not grow memory)
-_SEEN_KEPT = 4096  # call signatures kept per op (``_Plan.first``)
+_SEEN_KEPT = 4096  # call signatures kept per op (``_Plan.remember``)
 
 
 def _tensors_json(value: Any) -> str:
     """``,"shapes":[...],"dtypes":[...]`` for a tensor or a list of them ("" for anything else)."""
-    if value is None:
-        return ""
     if isinstance(value, (list, tuple)):
         tensors = [v for v in value if hasattr(v, "shape")]
-        key: Any = tuple((t.shape, t.dtype) for t in tensors)
+    elif getattr(value, "shape", None) is not None:
+        tensors = [value]
     else:
-        shape = getattr(value, "shape", None)  # one tensor, the usual case: no lists to build
-        if shape is None:
-            return ""
-        tensors, key = [value], (shape, getattr(value, "dtype", None))
-    try:
-        text = _shapes.get(key)
-    except TypeError:  # an unhashable shape (not a tensor): described, not cached
-        key, text = None, None
-    if text is None:
-        text = (f',"shapes":{[list(t.shape) for t in tensors]},'
-                f'"dtypes":[{",".join(_dtype_json(t.dtype) for t in tensors)}]')
-        if key is not None:
-            if len(_shapes) >= _SHAPES_KEPT:
-                _shapes.clear()
-            _shapes[key] = text
-    return text
+        return ""
+    return (f',"shapes":{[list(t.shape) for t in tensors]},'
+            f'"dtypes":[{",".join(_dtype_json(t.dtype) for t in tensors)}]')
 
 
 _dtypes: dict[Any, str] = {}
@@ -411,27 +461,6 @@ def _dtype_json(dtype: Any) -> str:
     if text is None:
         text = _dtypes[dtype] = json.dumps(str(dtype).replace("torch.", ""))
     return text
-
-
-_world: Any = None  # torch's record of the default group (distributed_c10d._world)
-
-
-def _default_group() -> Any:
-    """The default process group (None before ``init_process_group``).
-
-    Read straight from torch's ``_world._default_pg`` where it exists: ``_get_default_group()``
-    costs three Python calls, and this runs at every traced call.
-    """
-    global _world
-    if _world is None:
-        import torch.distributed.distributed_c10d as c10d
-
-        _world = c10d._world if hasattr(c10d._world, "_default_pg") else False
-    if _world is False:  # another torch: its public spelling
-        import torch.distributed.distributed_c10d as c10d
-
-        return c10d.GroupMember.WORLD
-    return _world._default_pg
 
 
 def _argument(args: tuple, kwargs: dict, where: tuple[int, str]) -> Any:
