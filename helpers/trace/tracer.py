@@ -173,12 +173,15 @@ class Tracer:
         self.lock = threading.RLock()
 
     def patch(self) -> None:
-        """Wrap the operations in ``torch.distributed`` and ``distributed_c10d`` (internal calls too)."""
+        """Wrap the operations in ``torch.distributed`` and ``distributed_c10d`` (internal calls too;
+        those one of them makes, all_gather_object's all_gather, are part of its record)."""
         import torch.distributed as dist
         import torch.distributed.distributed_c10d as c10d
 
-        for name in OPS:
-            original = getattr(c10d, name, None) or getattr(dist, name, None)
+        originals = {name: getattr(c10d, name, None) or getattr(dist, name, None) for name in OPS}
+        _inner_codes.update(id(inspect.unwrap(fn).__code__) for fn in originals.values()
+                            if fn is not None and hasattr(inspect.unwrap(fn), "__code__"))
+        for name, original in originals.items():
             if original is None or getattr(original, "_helpers_traced", False):
                 continue
             wrapped = _wrap(name, original, _Plan(name, original))
@@ -295,71 +298,71 @@ def _wrap(name: str, original: Callable, plan: _Plan) -> Callable:
     """
     group_at, async_at, compared_at, peer_at = plan.group, plan.async_op, plan.compared, plan.peer_at
     multi, seen, now, caller = plan.multi, plan.seen, time.time, sys._getframe
-    default_group, thread, inside = _default_group_reader(), threading.get_ident, _inside
+    default_group, inner = _default_group_reader(), _inner_codes
 
     @functools.wraps(original)
     def traced(*args: Any, **kwargs: Any) -> Any:
-        tracer, me = current, thread()
-        if tracer is None or me in inside:
+        tracer = current
+        if tracer is None:
             return original(*args, **kwargs)
-        inside.add(me)
         try:
-            op_id = next(tracer.ids)
-            count = len(args)
-            group = args[group_at[0]] if group_at[0] < count else kwargs.get(group_at[1])
-            try:
-                seq = (group if group is not None else default_group())._get_sequence_number_for_group() + 1
-            except Exception:  # noqa: BLE001 - no group yet: torch raises its own error
-                seq = None
-            blocking = not (args[async_at[0]] if async_at[0] < count else kwargs.get(async_at[1]))
-            tensors = args[compared_at[0]] if compared_at[0] < count else kwargs.get(compared_at[1])
-            peer = args[peer_at[0]] if peer_at[0] < count else kwargs.get(peer_at[1])
-            try:
-                frame = caller(1)
-            except ValueError:  # called with no Python frame above (from C, first in a thread)
-                frame = None
-            if frame is not None and user_files.get(frame.f_code.co_filename) is not True:
+            frame = caller(1)
+        except ValueError:  # called with no Python frame above (from C, first in a thread)
+            frame = None
+        if frame is not None:
+            code = frame.f_code
+            if id(code) in inner:  # called by a traced op of torch's (all_gather_object's all_gather)
+                return original(*args, **kwargs)
+            if user_files.get(code.co_filename) is not True:
                 frame = user_frame(frame)
-            code, offset = (frame.f_code, frame.f_lasti) if frame is not None else (None, 0)
-            queue = tracer.queue
-            item = [_OP, op_id, plan, group, seq, blocking, tensors, peer, code, offset, now(), None,
-                    _NO_SEQ_END]
-            queue.append(item)
-            signature = (id(group), id(code), offset, getattr(tensors, "nbytes", None))
-            try:
-                first = signature not in seen  # the first call from this site with this many bytes
-            except TypeError:  # an unhashable "nbytes" (not a tensor's): a first every time
-                first = True
-            if first:
-                plan.remember(signature)
-                tracer.flush()  # on file before the call: gloo aborts the process at once on a size mismatch
-            try:
-                result = original(*args, **kwargs)
-            except BaseException as exc:
-                tracer.write({"ev": "end", "id": op_id, "t": now(), "ok": False,
-                              "error": f"{type(exc).__name__}: {exc}"[:800]})
-                item[_ENDED] = now()  # after its start left the queue: it is no longer running
-                raise
-            if not blocking and result is not None:
-                tracer._watch_async(op_id, result)
-                return result
-            if multi and seq is not None:
-                item[_SEQ_END] = plan.sequence(args, kwargs)
-            item[_ENDED] = now()  # its end, if the helper has not written the start yet
-            if tracer.started_on_file >= op_id:  # it has (see ``Tracer._drain``)
-                queue.append((_END, op_id, item[_ENDED], item[_SEQ_END]))
-                tracer.flush()
-            elif len(queue) > QUEUE_MAX:  # no helper thread
-                tracer.flush()
+        op_id = next(tracer.ids)
+        count = len(args)
+        group = args[group_at[0]] if group_at[0] < count else kwargs.get(group_at[1])
+        try:
+            seq = (group if group is not None else default_group())._get_sequence_number_for_group() + 1
+        except Exception:  # noqa: BLE001 - no group yet: torch raises its own error
+            seq = None
+        blocking = not (args[async_at[0]] if async_at[0] < count else kwargs.get(async_at[1]))
+        tensors = args[compared_at[0]] if compared_at[0] < count else kwargs.get(compared_at[1])
+        peer = args[peer_at[0]] if peer_at[0] < count else kwargs.get(peer_at[1])
+        code, offset = (frame.f_code, frame.f_lasti) if frame is not None else (None, 0)
+        queue = tracer.queue
+        item = [_OP, op_id, plan, group, seq, blocking, tensors, peer, code, offset, now(), None,
+                _NO_SEQ_END]
+        queue.append(item)
+        signature = (id(group), id(code), offset, getattr(tensors, "nbytes", None))
+        try:
+            first = signature not in seen  # the first call from this site with this many bytes
+        except TypeError:  # an unhashable "nbytes" (not a tensor's): a first every time
+            first = True
+        if first:
+            plan.remember(signature)
+            tracer.flush()  # on file before the call: gloo aborts the process at once on a size mismatch
+        try:
+            result = original(*args, **kwargs)
+        except BaseException as exc:
+            tracer.write({"ev": "end", "id": op_id, "t": now(), "ok": False,
+                          "error": f"{type(exc).__name__}: {exc}"[:800]})
+            item[_ENDED] = now()  # after its start left the queue: it is no longer running
+            raise
+        if not blocking and result is not None:
+            tracer._watch_async(op_id, result)
             return result
-        finally:
-            inside.discard(me)
+        if multi and seq is not None:
+            item[_SEQ_END] = plan.sequence(args, kwargs)
+        item[_ENDED] = now()  # its end, if the helper has not written the start yet
+        if tracer.started_on_file >= op_id:  # it has (see ``Tracer._drain``)
+            queue.append((_END, op_id, item[_ENDED], item[_SEQ_END]))
+            tracer.flush()
+        elif len(queue) > QUEUE_MAX:  # no helper thread
+            tracer.flush()
+        return result
 
     traced._helpers_traced = True  # type: ignore[attr-defined]
     return traced
 
 
-_inside: set[int] = set()  # the threads in a traced call (its inner calls are not recorded again)
+_inner_codes: set[int] = set()  # ids of the code of torch's traced ops: the calls they make are theirs
 
 
 def _default_group_reader() -> Callable[[], Any]:
