@@ -341,7 +341,7 @@ def _record_text_cpu(sizes: dict[str, int], rounds: int, calls: int) -> dict[str
         tracer.patch()
         for _ in range(2):  # the first call from a line is written at once, the second is queued
             dist.all_reduce(tensor)
-        item = next(i for i in tracer.queue if type(i) is tuple and i[0] == _OP)  # as the tracer made it
+        item = next(i for i in tracer.queue if type(i) is list and i[0] == _OP)  # as the tracer made it
         tracer.flush()
         after, batched = [], []
         tracer.unpatch()

@@ -287,6 +287,16 @@ def test_canonical_names_and_short_errors():
         "RuntimeError: Connection closed by peer [127.0.0.1]:2."
 
 
+def test_an_op_record_written_after_its_call_returned_closes_the_call():
+    view = doctor.RankView(0)
+    view.apply({"ev": "op", "id": 1, "op": "all_reduce", "seq": 1, "t": 10.0, "te": 10.5, "ok": True})
+    view.apply({"ev": "op", "id": 2, "op": "barrier", "seq": 2, "t": 11.0})  # still running when written
+    assert list(view.open) == [2] and view.ops[1].end == 10.5 and view.ops[1].ok is True
+    assert view.last_done_t == 10.5 and view.waiting_since() == 11.0 and view.pending_seq() == 2
+    view.apply({"ev": "end", "id": 2, "t": 12.0, "ok": True})
+    assert not view.open and view.last_done_t == 12.0
+
+
 def test_first_divergence_names_the_lowest_sequence_number():
     op = doctor.Op
     same = {("0", 1): op("all_reduce", shapes=[[4]], dtypes=["float32"])}

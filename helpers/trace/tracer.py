@@ -1,21 +1,22 @@
 """The tracer: wraps torch.distributed's Python-level operations and records each call.
 
-Each outermost call makes two records in ``trace-<rank>.jsonl`` (``helpers.rundir``): the op, the
-process group and torch's sequence number in it, the input shapes and dtypes, the user's call site
-and start time; then its end (completed or raised). The ops are ``helpers.collectives.OPS``.
+Each outermost call is recorded in ``trace-<rank>.jsonl`` (``helpers.rundir``): the op, the process
+group and torch's sequence number in it, the input shapes and dtypes, the user's call site and
+start time, and its end (completed or raised). A call that has returned by the time its record is
+written is one record, its end in it (``"te"``, ``"ok"``); a call still running then has its start
+written first and its end (``"ev":"end"``) as it returns. The ops are ``helpers.collectives.OPS``.
 
 The calling thread only notes what it must read at call time (the sequence number, the call site,
 the clock) on a queue; the helper thread (``helpers.trace.helper``) writes the queue out every
 ``FLUSH_S``, ``WRITE_EVERY`` records per ``os.write`` (a write lets go of the GIL, so the main
-thread never waits for a whole batch's text). Formatting the records after each collective cost three to five
-times what it costs in a batch: a collective leaves the processor's caches cold, and a record
-touches many Python objects (bench/doctor_bench.py). What is written survives the rank being
-killed, and the file never shows a call as still running once it has returned: a call that lasts
-longer than a flush has its start on file while it runs, and its end is written as it returns.
-The first call from a line with a tensor of a new size is written before it runs (gloo aborts a
-process within milliseconds when the ranks' sizes differ). A rank killed outright (SIGKILL) loses
-its last ``FLUSH_S`` of calls at most; an exception, an exit and every other record write the
-queue out first.
+thread never waits for a whole batch's text). Formatting the records after each collective cost
+three to five times what it costs in a batch: a collective leaves the processor's caches cold, and
+a record touches many Python objects (bench/doctor_bench.py). What is written survives the rank
+being killed, and the file never shows a call as still running once it has returned. The first
+call from a line with a tensor of a new size is written before it runs (gloo aborts a process
+within milliseconds when the ranks' sizes differ). A rank killed outright (SIGKILL) loses its last
+``FLUSH_S`` of calls at most; an exception, an exit and every other record write the queue out
+first.
 """
 
 from __future__ import annotations
