@@ -56,6 +56,7 @@ class NotebookRun(ResultMixin):
     cell_source: str | None = None  # its line that raised (else its first line)
     ename: str | None = None
     evalue: str | None = None
+    kernel_log: str | None = None  # what the kernel wrote to its standard error, when it did
 
 
 @dataclass
@@ -130,9 +131,10 @@ def route_parameters(notebooks: list[Path], given: dict[str, Any],
     return routed
 
 
-def kernel_config(ipc_dir: Path) -> Any:
+def kernel_config(ipc_dir: Path, stderr_path: Path | None = None) -> Any:
     """Configuration for papermill's kernel manager and client: IPC sockets inside ``ipc_dir``,
-    and the kernel's own log kept off the report's output.
+    and the kernel's own log kept off the report's output (its standard error, with
+    ``stderr_path``, in that file).
 
     ipykernel warns on every start over TCP that the traffic is unencrypted and names IPC
     transport as the remedy; IPC sockets are files only this user can reach (``ipc_dir`` is
@@ -143,7 +145,40 @@ def kernel_config(ipc_dir: Path) -> Any:
     from traitlets.config import Config
 
     return Config({"KernelManager": {"transport": "ipc", "ip": str(ipc_dir / "k")},
-                   "NotebookClient": {"extra_arguments": [f"--IPKernelApp.log_level={KERNEL_LOG_LEVEL}"]}})
+                   "NotebookClient": {"extra_arguments": [f"--IPKernelApp.log_level={KERNEL_LOG_LEVEL}"],
+                                      "kernel_manager_class": _kernel_manager_class()},
+                   "KernelStderrManager": {"stderr_path": str(stderr_path) if stderr_path else ""}})
+
+
+_KERNEL_MANAGER: Any = None
+
+
+def _kernel_manager_class() -> type:
+    """jupyter_client's KernelManager with the kernel's standard error sent to a file (its
+    ``stderr_path``; made once, on first use: jupyter_client loads only when a report runs).
+
+    What a kernel writes there is not a cell's output (ipykernel sends that to the notebook) but
+    what comes before and after the cells: libzmq once aborted a kernel as it exited, after every
+    cell had run ("Assertion failed: pfd.revents & POLLIN (src/signaler.cpp:238)", in 2 of 5 full
+    test runs; libzmq#3715: its poll saw a closed descriptor). It goes into the report folder, not
+    into the report's own progress output.
+    """
+    global _KERNEL_MANAGER
+    if _KERNEL_MANAGER is None:
+        from jupyter_client.manager import KernelManager
+        from traitlets import Unicode
+
+        class KernelStderrManager(KernelManager):
+            stderr_path = Unicode("", config=True, help="file the kernel's standard error goes to")
+
+            async def _async_launch_kernel(self, kernel_cmd: list[str], **kw: Any) -> None:
+                if not self.stderr_path:
+                    return await super()._async_launch_kernel(kernel_cmd, **kw)
+                with open(self.stderr_path, "ab") as stderr:  # the kernel keeps its own copy
+                    return await super()._async_launch_kernel(kernel_cmd, stderr=stderr, **kw)
+
+        _KERNEL_MANAGER = KernelStderrManager
+    return _KERNEL_MANAGER
 
 
 def _execute(path: Path, out_dir: Path, values: dict[str, Any], ipc_dir: Path) -> NotebookRun:
@@ -156,7 +191,8 @@ def _execute(path: Path, out_dir: Path, values: dict[str, Any], ipc_dir: Path) -
     try:
         papermill.execute_notebook(str(path), str(executed), parameters=values, kernel_name="python3",
                                    cwd=str(NOTEBOOK_DIR), progress_bar=False, log_output=False,
-                                   execution_timeout=CELL_TIMEOUT_S, config=kernel_config(ipc_dir))
+                                   execution_timeout=CELL_TIMEOUT_S,
+                                   config=kernel_config(ipc_dir, ipc_dir / f"{path.stem}.stderr"))
     except papermill.PapermillExecutionError as exc:
         run.ok, run.cell, run.ename = False, exc.exec_count, exc.ename
         run.evalue, run.cell_source = redact_text(str(exc.evalue)), redact_text(failed_line(exc))
@@ -169,10 +205,26 @@ def _execute(path: Path, out_dir: Path, values: dict[str, Any], ipc_dir: Path) -
         scrub_notebook(executed)  # outputs, papermill's injected parameters, metadata
         run.notebook = executed.name
         run.html = _to_html(executed).name
+    run.kernel_log = _keep_kernel_stderr(ipc_dir / f"{path.stem}.stderr", out_dir / f"{path.stem}-kernel.log")
+    if run.kernel_log and not run.ok and run.cell is None:  # the kernel itself failed: say where it spoke
+        run.error = f"{run.error} (the kernel's standard error: {run.kernel_log})"
     if result_json.exists():
         run.result = _relative(result_json, out_dir)
         run.headline = read_result(result_json).get("headline")
     return run
+
+
+def _keep_kernel_stderr(source: Path, target: Path) -> str | None:
+    """The kernel's standard error, redacted, as ``target`` in the report folder (its name; None
+    when the kernel wrote nothing there)."""
+    try:
+        text = source.read_text(errors="replace")
+    except OSError:
+        return None
+    if not text.strip():
+        return None
+    report.atomic_write_text(target, redact_text(text))
+    return target.name
 
 
 ANSI = re.compile(r"\x1b\[[0-9;]*m")

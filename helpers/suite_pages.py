@@ -149,7 +149,8 @@ def _notebooks_html(runs: list[dict[str, Any]], anonymize: bool) -> str:
     for run in runs:
         links = " &middot; ".join(x for x in (_link(run.get("html"), "HTML"),
                                               _link(run.get("notebook"), "notebook"),
-                                              _link(run.get("result"), "JSON")) if x)
+                                              _link(run.get("result"), "JSON"),
+                                              _link(run.get("kernel_log"), "kernel log")) if x)
         headline = run.get("headline") or ("" if run.get("ok") else run.get("error") or "failed")
         rows.append(f"<tr class='{'' if run.get('ok') else 'failed'}'><td>{_badge(bool(run.get('ok')))}</td>"
                     f"<td class='name'>{_clean(run.get('name'))}</td>"

@@ -307,3 +307,19 @@ def test_abort_at_interpreter_exit_after_every_rank_finished_is_reported_as_fini
     assert outcome == "finished" and "aborted at interpreter exit" in how
     assert classify(-6, output, all_ranks_done=False)[0] == "crash"
     assert classify(-6, "{'rank': 0}\n{'rank': 1}\n", all_ranks_done=True)[0] == "crash"
+
+
+def test_a_rank_killed_before_any_peer_spoke_is_told_by_torchruns_root_cause():
+    from helpers.repro.runs import classify, headline
+
+    output = ("torch.distributed.elastic.multiprocessing.errors.ChildFailedError: \n"
+              "============================================================\n"
+              "dead_rank_broken.py FAILED\n"
+              "------------------------------------------------------------\n"
+              "Root Cause (first observed failure):\n[0]:\n"
+              "  rank      : 1 (local_rank: 1)\n  exitcode  : -9 (pid: 8815)\n"
+              "  error_file: <N/A>\n  traceback : Signal 9 (SIGKILL) received by PID 8815\n")
+    assert classify(1, output) == ("crash", "rank 1 killed by SIGKILL")
+    assert headline(output) == "Signal 9 (SIGKILL) received by PID 8815"
+    assert headline("[rank0]: RuntimeError: Connection closed by peer [127.0.0.1]:5\n" + output) == \
+        "Connection closed by peer"  # a peer's own words come first

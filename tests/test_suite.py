@@ -86,3 +86,22 @@ def test_report_holds_no_secret_and_keeps_outputs_inside(tmp_path, leftovers):
         for value in ("q" * 34, "z" * 40, "hunter2pass"):
             assert value not in text, f"secret in {path.name}"
     leftovers.check()
+
+
+def test_what_a_kernel_writes_outside_its_cells_goes_to_its_log_not_the_report_output(
+        tmp_path, capfd, leftovers):
+    import nbformat
+
+    token = "hf_" + "q" * 34
+    late = f"import atexit, os\natexit.register(lambda: os.write(2, b'late words {token}\\n'))"
+    notebook = nbformat.v4.new_notebook(cells=[nbformat.v4.new_code_cell(late)])
+    source = tmp_path / "late.ipynb"
+    nbformat.write(notebook, source)
+    out, sockets = tmp_path / "out", tmp_path / "sockets"
+    out.mkdir()
+    sockets.mkdir(mode=0o700)
+    run = suite._execute(source, out, {}, sockets)
+    assert run.ok and run.kernel_log == "late-kernel.log"
+    assert (out / run.kernel_log).read_text() == "late words <redacted>\n"  # as the kernel exited
+    assert "late words" not in capfd.readouterr().err  # the kernel's fd 2 is not the report's
+    leftovers.check()

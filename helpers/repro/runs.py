@@ -180,6 +180,9 @@ _HEADLINES = (
     re.compile(r"(Timed out waiting \d+ms for \w+ operation to complete)"),
     re.compile(r"(Connection (?:reset|closed) by peer)"),
     re.compile(r"^(\w*(?:Error|Exception): .+)$", re.M),
+    # torchrun's root cause of a rank killed by a signal, when the other ranks were stopped before
+    # they could report the lost peer (the agent saw the death first)
+    re.compile(r"(Signal \d+ \(SIG\w+\) received by PID \d+)"),
 )
 
 
