@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 import ast
 import datetime
+import functools
 import json
 import os
 import re
@@ -150,9 +151,7 @@ def kernel_config(ipc_dir: Path, stderr_path: Path | None = None) -> Any:
                    "KernelStderrManager": {"stderr_path": str(stderr_path) if stderr_path else ""}})
 
 
-_KERNEL_MANAGER: Any = None
-
-
+@functools.cache
 def _kernel_manager_class() -> type:
     """jupyter_client's KernelManager with the kernel's standard error sent to a file (its
     ``stderr_path``; made once, on first use: jupyter_client loads only when a report runs).
@@ -163,28 +162,26 @@ def _kernel_manager_class() -> type:
     test runs; libzmq#3715: its poll saw a closed descriptor). It goes into the report folder, not
     into the report's own progress output.
     """
-    global _KERNEL_MANAGER
-    if _KERNEL_MANAGER is None:
-        from jupyter_client.manager import KernelManager
-        from traitlets import Unicode
+    from jupyter_client.manager import KernelManager
+    from traitlets import Unicode
 
-        class KernelStderrManager(KernelManager):
-            stderr_path = Unicode("", config=True, help="file the kernel's standard error goes to")
+    class KernelStderrManager(KernelManager):
+        stderr_path = Unicode("", config=True, help="file the kernel's standard error goes to")
 
-            async def _async_launch_kernel(self, kernel_cmd: list[str], **kw: Any) -> None:
-                if not self.stderr_path:
-                    return await super()._async_launch_kernel(kernel_cmd, **kw)
-                with open(self.stderr_path, "ab") as stderr:  # the kernel keeps its own copy
-                    return await super()._async_launch_kernel(kernel_cmd, stderr=stderr, **kw)
+        async def _async_launch_kernel(self, kernel_cmd: list[str], **kw: Any) -> None:
+            if not self.stderr_path:
+                return await super()._async_launch_kernel(kernel_cmd, **kw)
+            with open(self.stderr_path, "ab") as stderr:  # the kernel keeps its own copy
+                return await super()._async_launch_kernel(kernel_cmd, stderr=stderr, **kw)
 
-        _KERNEL_MANAGER = KernelStderrManager
-    return _KERNEL_MANAGER
+    return KernelStderrManager
 
 
 def _execute(path: Path, out_dir: Path, values: dict[str, Any], ipc_dir: Path) -> NotebookRun:
     import papermill
 
     executed = out_dir / path.name
+    kernel_stderr = ipc_dir / f"{path.stem}.stderr"
     result_json = Path(values.get("results_path") or out_dir / f"{path.stem}.json")
     started = time.monotonic()
     run = NotebookRun(path.stem, True, 0.0)
@@ -192,7 +189,7 @@ def _execute(path: Path, out_dir: Path, values: dict[str, Any], ipc_dir: Path) -
         papermill.execute_notebook(str(path), str(executed), parameters=values, kernel_name="python3",
                                    cwd=str(NOTEBOOK_DIR), progress_bar=False, log_output=False,
                                    execution_timeout=CELL_TIMEOUT_S,
-                                   config=kernel_config(ipc_dir, ipc_dir / f"{path.stem}.stderr"))
+                                   config=kernel_config(ipc_dir, kernel_stderr))
     except papermill.PapermillExecutionError as exc:
         run.ok, run.cell, run.ename = False, exc.exec_count, exc.ename
         run.evalue, run.cell_source = redact_text(str(exc.evalue)), redact_text(failed_line(exc))
@@ -205,7 +202,7 @@ def _execute(path: Path, out_dir: Path, values: dict[str, Any], ipc_dir: Path) -
         scrub_notebook(executed)  # outputs, papermill's injected parameters, metadata
         run.notebook = executed.name
         run.html = _to_html(executed).name
-    run.kernel_log = _keep_kernel_stderr(ipc_dir / f"{path.stem}.stderr", out_dir / f"{path.stem}-kernel.log")
+    run.kernel_log = _keep_kernel_stderr(kernel_stderr, out_dir / f"{path.stem}-kernel.log")
     if run.kernel_log and not run.ok and run.cell is None:  # the kernel itself failed: say where it spoke
         run.error = f"{run.error} (the kernel's standard error: {run.kernel_log})"
     if result_json.exists():

@@ -180,8 +180,8 @@ class Tracer:
         import torch.distributed.distributed_c10d as c10d
 
         originals = {name: getattr(c10d, name, None) or getattr(dist, name, None) for name in OPS}
-        _inner_codes.update(id(inspect.unwrap(fn).__code__) for fn in originals.values()
-                            if fn is not None and hasattr(inspect.unwrap(fn), "__code__"))
+        bodies = [inspect.unwrap(fn) for fn in originals.values() if fn is not None]
+        _inner_codes.update(id(body.__code__) for body in bodies if hasattr(body, "__code__"))
         for name, original in originals.items():
             if original is None or getattr(original, "_helpers_traced", False):
                 continue
@@ -350,7 +350,7 @@ def _wrap(name: str, original: Callable, plan: _Plan) -> Callable:
             tracer._watch_async(op_id, result)
             return result
         if multi and seq is not None:
-            item[_SEQ_END] = plan.sequence(args, kwargs)
+            item[_SEQ_END] = _sequence(group if group is not None else default_group())
         item[_ENDED] = now()  # its end, if the helper has not written the start yet
         if tracer.started_on_file >= op_id:  # it has (see ``Tracer._drain``)
             queue.append((_END, op_id, item[_ENDED], item[_SEQ_END]))
@@ -397,10 +397,6 @@ class _Plan:
         self.multi = name in MULTI_OPS
         self.seen: set[tuple] = set()  # (group, code, offset, nbytes) of the calls made
 
-    def sequence(self, args: tuple, kwargs: dict) -> int | None:
-        """torch's sequence number of the group the call uses (collectives and p2p both count)."""
-        return _sequence(_argument(args, kwargs, self.group))
-
     def remember(self, signature: tuple) -> None:
         """Note a call's signature (the group, the code and the call's offset in it, the compared
         tensor's bytes): the wrapper writes the first call of each before it runs.
@@ -436,8 +432,9 @@ def _integer(value: Any) -> Any:
 
 
 def _sequence(group: Any) -> int | None:
+    """torch's sequence number of ``group`` (collectives and p2p both count; None without a group)."""
     try:
-        return (_default_group_reader()() if group is None else group)._get_sequence_number_for_group()
+        return group._get_sequence_number_for_group()
     except Exception:  # noqa: BLE001 - no group yet (None): torch will raise its own error
         return None
 
@@ -465,11 +462,6 @@ def _dtype_json(dtype: Any) -> str:
     if text is None:
         text = _dtypes[dtype] = json.dumps(str(dtype).replace("torch.", ""))
     return text
-
-
-def _argument(args: tuple, kwargs: dict, where: tuple[int, str]) -> Any:
-    index, name = where
-    return args[index] if index < len(args) else kwargs.get(name)
 
 
 _group_names: dict[int, str] = {}
