@@ -302,9 +302,9 @@ def _wrap(name: str, original: Callable, plan: _Plan) -> Callable:
     with ``async_op=True`` to record it while the collective runs. The C version was within 0.003
     of this one at 1 MiB: the time goes on the objects a record touches (frame, code, group,
     queue) after a collective has left the caches cold, not on the interpreter. The async launch
-    gained about 0.01, but changes what the backend does: torch passes ``asyncOp`` on, NCCL runs an
-    async call on its own stream and keeps its tensors until ``wait()``, and in a
-    ``_coalescing_manager`` an async call returns ``_IllegalWork``.
+    gained about 0.01, but changes what the backend does: torch passes ``asyncOp`` on, NCCL keeps
+    an async call's tensors until ``wait()`` (``TensorShelf`` in ProcessGroupNCCL.hpp), and in a
+    ``_coalescing_manager`` an async call returns ``_IllegalWork``, whose ``wait()`` raises.
     """
     group_at, async_at, compared_at, peer_at = plan.group, plan.async_op, plan.compared, plan.peer_at
     multi, seen, now, caller = plan.multi, plan.seen, time.time, sys._getframe
