@@ -47,6 +47,8 @@ OPS: dict[str, tuple[tuple[int, str] | None, tuple[int, str] | None]] = {
 }
 P2P_OPS = frozenset({"send", "recv", "isend", "irecv", "send_object_list", "recv_object_list",
                      "batch_isend_irecv"})
+# ops that return a work to wait on, always (they have no async_op argument)
+ASYNC_OPS = frozenset({"isend", "irecv", "batch_isend_irecv"})
 # ops that issue several inner collectives (the Flight Recorder sees those, not the call)
 MULTI_OPS = frozenset({"all_gather_coalesced", "all_reduce_coalesced", "batch_isend_irecv",
                        *(name for name in OPS if name.endswith(("_object", "_object_list")))})

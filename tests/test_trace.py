@@ -112,6 +112,54 @@ def test_records_every_call_once_with_site_shapes_and_outcome(tmp_path, leftover
     leftovers.check()
 
 
+def _p2p_works_waited_for():
+    import torch
+    import torch.distributed as dist
+
+    from helpers import trace
+
+    rank = dist.get_rank()
+    name = "isend" if rank == 0 else "irecv"
+    post = dist.isend if rank == 0 else dist.irecv
+    work = post(torch.ones(3), 1 - rank)  # line: posted
+    trace.flush()
+    open_before_wait = not _ended_on_file(rank, name)
+    work.wait()
+    _wait_until(lambda: _ended_on_file(rank, name), f"rank {rank}'s {name} ended once waited for")
+    peer = 1 - rank
+    works = dist.batch_isend_irecv([dist.P2POp(dist.isend, torch.ones(2), peer),
+                                    dist.P2POp(dist.irecv, torch.zeros(2), peer)])
+    for each in works:
+        each.wait()
+    _wait_until(lambda: _ended_on_file(rank, "batch_isend_irecv"), "the batch ended once waited for")
+    if rank == 0:
+        kept = dist.isend(torch.ones(2), dst=1)  # never waited for: let go of once received
+    else:
+        kept = dist.irecv(torch.zeros(2), src=0)
+        kept.wait()
+        _wait_until(lambda: len(_ends(_records_on_file(rank))) == 3, "the irecv ended once waited for")
+    dist.barrier()
+    del kept
+    _wait_until(lambda: len(_ends(_records_on_file(rank))) == 4, "every call ended")
+    return open_before_wait, _records_on_file(rank)
+
+
+def test_an_isend_or_irecv_ends_once_waited_for_not_when_posted(tmp_path, leftovers):
+    """gloo's p2p works have no future: the helper thread sees them complete after ``wait()``, so
+    a rank stuck in ``wait()`` shows as in its send or recv; a work let go of ends as dropped."""
+    results = launch(_p2p_works_waited_for, num_processes=2, timeout_s=60,
+                     watchers=[doctor.Doctor(30, keep_dir=tmp_path)])
+    for rank, (open_before_wait, records) in enumerate(results):
+        ops, ends = [r for r in records if r["ev"] == "op"], _ends(records)
+        assert [r["op"] for r in ops] == ["isend" if rank == 0 else "irecv", "batch_isend_irecv",
+                                          "isend" if rank == 0 else "irecv", "barrier"]
+        assert open_before_wait, "a posted work that nobody waited for yet is still open"
+        assert all(r.get("async") for r in ops[:3]) and ops[0]["where"] == f"{HERE}:{_line('posted')}"
+        assert [ends[r["id"]]["ok"] for r in ops] == [True, True, None if rank == 0 else True, True]
+        assert ends[ops[2]["id"]].get("dropped") is (True if rank == 0 else None)
+    leftovers.check()
+
+
 def _killed_as_a_slow_call_returns():
     import torch.distributed as dist
 

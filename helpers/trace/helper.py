@@ -116,6 +116,7 @@ class Helper(threading.Thread):
             if self.stopping.is_set():
                 break
             try:
+                self.tracer.poll_waited()
                 self.tracer.flush(wait=False)  # never wait on the main thread's lock (signal handlers)
                 if ready or time.monotonic() >= next_poll:
                     next_poll = time.monotonic() + POLL_S

@@ -4,7 +4,10 @@ Each outermost call is recorded in ``trace-<rank>.jsonl`` (``helpers.rundir``): 
 group and torch's sequence number in it, the input shapes and dtypes, the user's call site and
 start time, and its end (completed or raised). A call that has returned by the time its record is
 written is one record, its end in it (``"te"``, ``"ok"``); a call still running then has its start
-written first and its end (``"ev":"end"``) as it returns. The ops are ``helpers.collectives.OPS``.
+written first and its end (``"ev":"end"``) as it returns. An async call (``async_op=True``, and
+isend, irecv, batch_isend_irecv, which always are) ends when its work completes: gloo's p2p works
+have no future, so theirs is seen once the user's ``wait()`` has returned (``poll_waited``). The
+ops are ``helpers.collectives.OPS``.
 
 The calling thread only notes what it must read at call time (the sequence number, the call site,
 the clock) on a queue; the helper thread (``helpers.trace.helper``) writes the queue out every
@@ -31,16 +34,18 @@ import os
 import sys
 import threading
 import time
+import weakref
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 from helpers import rundir
-from helpers.collectives import MULTI_OPS, OPS, P2P_OPS
+from helpers.collectives import ASYNC_OPS, MULTI_OPS, OPS, P2P_OPS
 from helpers.trace.callsites import site_json, user_files, user_frame
 
 FLUSH_S = 0.05  # the helper thread writes the queued records this often
 QUEUE_MAX = 512  # queued records past which the calling thread writes them itself (no helper)
+UNWAITED_KEPT = 256  # async calls without a future polled at once (more stay open in the records)
 WRITE_EVERY = 16  # records formatted per write while the queue is written out
 _OP, _END = 0, 1  # queued: an op's list [_OP, id, plan, group, seq, blocking, tensors, peer, code,
 #                   offset, t, ended, seq_end] (offset: the call's instruction in the code, f_lasti,
@@ -71,6 +76,7 @@ class Tracer:
         self.queue: collections.deque = collections.deque()  # records not written yet, in order
         self.lock = threading.RLock()  # one writer at a time (re-entrant: a signal handler's call)
         self.started_on_file = 0  # the highest op id whose start record has left the queue
+        self.unwaited: collections.deque = collections.deque()  # (op id, weak ref to its work)
         self.closed = False
 
     def write(self, record: dict[str, Any], wait: bool = True) -> bool:
@@ -145,17 +151,28 @@ class Tracer:
             self.flush(wait)
 
     def _watch_async(self, op_id: int, work: Any) -> None:
+        """An async call's work (a list of them from ``batch_isend_irecv``): its end is queued
+        when its future completes, or, without one, once it has been waited for (``poll_waited``)."""
         self.queue.append({"ev": "enq", "id": op_id, "t": time.time()})
+        works = list(work) if isinstance(work, (list, tuple)) else [work]
         try:
-            future = work.get_future()
-        except Exception:  # noqa: BLE001 - gloo's p2p work has no future: enqueue is all we know
+            futures = [each.get_future() for each in works]
+        except Exception:  # noqa: BLE001 - gloo's p2p work has no future: polled (``poll_waited``)
+            if len(self.unwaited) < UNWAITED_KEPT:
+                try:
+                    self.unwaited.append((op_id, [weakref.ref(each) for each in works]))
+                except TypeError:  # not a torch work: nothing to poll
+                    pass
             self._ended(op_id)
+            return
+        if not futures:
             return
 
         def done(fut: Any) -> None:
             error = None
             try:
-                fut.value()
+                for each in (fut.value() if len(futures) > 1 else [fut]):
+                    each.value()
             except Exception as exc:  # noqa: BLE001
                 error = f"{type(exc).__name__}: {exc}"[:800]
             record = {"ev": "end", "id": op_id, "t": time.time(), "ok": error is None}
@@ -164,12 +181,43 @@ class Tracer:
             self.queue.append(record)
             self._ended(op_id, wait=False)  # torch's thread: never held up by the writer's lock
 
-        future.add_done_callback(done)
+        if len(futures) > 1:
+            import torch.futures
+
+            torch.futures.collect_all(futures).add_done_callback(done)
+        else:
+            futures[0].add_done_callback(done)
+
+    def poll_waited(self) -> None:
+        """Queue the end of each async call without a future (gloo's isend and irecv) that has
+        completed since the last look (the helper thread, every ``FLUSH_S``).
+
+        gloo marks such a work completed once the user's ``wait()`` has returned, not when the data
+        has moved: until then the call is open, and a rank stuck in ``wait()`` shows as waiting
+        in its send or recv. A work the script let go of ends as ``"dropped"``. Only weak
+        references are held: the queue never keeps a work, or its tensor, alive.
+        """
+        unwaited = self.unwaited
+        for _ in range(len(unwaited)):  # the main thread may append meanwhile: only what was there
+            op_id, refs = unwaited.popleft()
+            works = [ref() for ref in refs]
+            try:
+                dropped = any(work is None for work in works)
+                completed = dropped or all(work.is_completed() for work in works)
+            except Exception:  # noqa: BLE001 - a work torch can no longer tell about: dropped
+                dropped = completed = True
+            if dropped:
+                self.queue.append({"ev": "end", "id": op_id, "t": time.time(), "ok": None, "dropped": True})
+            elif completed:
+                self.queue.append({"ev": "end", "id": op_id, "t": time.time(), "ok": True})
+            else:
+                unwaited.append((op_id, refs))
 
     def forget_queue(self) -> None:
         """In a forked child: the queued records are the parent's to write, and the lock may have
         been held by a thread that does not exist here."""
         self.queue.clear()
+        self.unwaited.clear()
         self.running = []
         self.lock = threading.RLock()
 
@@ -308,6 +356,7 @@ def _wrap(name: str, original: Callable, plan: _Plan) -> Callable:
     """
     group_at, async_at, compared_at, peer_at = plan.group, plan.async_op, plan.compared, plan.peer_at
     multi, seen, now, caller = plan.multi, plan.seen, time.time, sys._getframe
+    always_async = plan.always_async
     default_group, inner = _default_group_reader(), _inner_codes
 
     @functools.wraps(original)
@@ -332,7 +381,8 @@ def _wrap(name: str, original: Callable, plan: _Plan) -> Callable:
             seq = (group if group is not None else default_group())._get_sequence_number_for_group() + 1
         except Exception:  # noqa: BLE001 - no group yet: torch raises its own error
             seq = None
-        blocking = not (args[async_at[0]] if async_at[0] < count else kwargs.get(async_at[1]))
+        asked_async = args[async_at[0]] if async_at[0] < count else kwargs.get(async_at[1])
+        blocking = not (asked_async or always_async)
         tensors = args[compared_at[0]] if compared_at[0] < count else kwargs.get(compared_at[1])
         peer = args[peer_at[0]] if peer_at[0] < count else kwargs.get(peer_at[1])
         code, offset = (frame.f_code, frame.f_lasti) if frame is not None else (None, 0)
@@ -403,6 +453,7 @@ class _Plan:
         self.compared, self.peer_at = compared or _ABSENT, peer or _ABSENT
         self.has_peer = peer is not None
         self.p2p = name in P2P_OPS
+        self.always_async = name in ASYNC_OPS  # returns a work to wait on, with no async_op to say so
         self.multi = name in MULTI_OPS
         self.seen: set[tuple] = set()  # (group, code, offset, nbytes) of the calls made
 
