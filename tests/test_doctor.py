@@ -91,6 +91,34 @@ def test_a_recv_whose_peer_is_in_another_operation_names_the_peer(leftovers):
     leftovers.check()
 
 
+def _scatter_skips_a_send():
+    import torch
+    import torch.distributed as dist
+
+    rank, tensor = dist.get_rank(), torch.zeros(4)
+    for step in range(2):
+        if rank == 0:
+            works = [dist.isend(tensor + 1, dst=peer) for peer in (1, 2) if step == 0 or peer == 1]
+        else:
+            works = [dist.irecv(tensor, src=0)]
+        for work in works:
+            work.wait()  # line: wait
+        dist.all_reduce(tensor)  # line: after p2p
+
+
+def test_a_rank_in_the_wait_of_an_irecv_whose_send_never_came_names_the_sender(leftovers):
+    with pytest.raises(doctor.HangDetected) as info:
+        doctor.launch(_scatter_skips_a_send, num_processes=3, timeout_s=60, stall_s=1.5)
+    found = info.value.diagnosis
+    assert (found.verdict, found.kind, found.ranks) == ("hang", "rank-missing", [0])
+    wait, after = f"{HERE}:{_line('wait')}", f"{HERE}:{_line('after p2p')}"
+    assert (found.per_rank[2].op, found.per_rank[2].location, found.per_rank[2].state) == (
+        "irecv", wait, "in-collective")
+    assert found.summary.startswith(f"Rank 2 waits to receive from rank 0 (irecv at {wait}), but rank 0 is "
+                                    f"in all_reduce at {after}, with no send to rank 2."), found.summary
+    leftovers.check()
+
+
 def _subgroup_member_stays_behind():
     import torch
     import torch.distributed as dist

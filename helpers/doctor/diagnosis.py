@@ -19,7 +19,7 @@ from typing import Any
 from helpers import report
 from helpers.doctor import wording
 from helpers.doctor.records import Evidence, Op, Position, RankView, fr_op
-from helpers.doctor.source import faulthandler_stack, rank_conditional
+from helpers.doctor.source import faulthandler_stack, rank_conditional, source_line
 from helpers.rundir import describe_exit
 
 EXIT_CODES = {"ok": 0, "hang": 3, "crash": 4, "mismatch": 5}
@@ -313,10 +313,35 @@ def _current(view: RankView) -> Position:
             pos.where, pos.file, pos.line = frame["where"], frame["file"], frame["line"]
             op.where, op.file, op.line = pos.where, pos.file, pos.line
         return pos
+    waited = _waited_p2p(view, stack, frame)
+    if waited is not None:
+        return waited
     pos = Position(view.rank, "outside-collective", seq=None)
     if frame:
         pos.where, pos.file, pos.line = frame["where"], frame["file"], frame["line"]
         pos.detail = wording.activity(view.rank, frame, stack)
+    return pos
+
+
+def _waited_p2p(view: RankView, stack: list[dict[str, Any]], frame: dict[str, Any] | None) -> Position | None:
+    """A rank blocked in the ``wait()`` of an isend or irecv: in its oldest one still open.
+
+    gloo's have no future, so the tracer sees one complete only once its ``wait()`` has returned
+    (``Tracer.poll_waited``): an open one is not yet waited for, or waited for now. It is taken as
+    the rank's position when the rank's own line (or a frame it called) waits, or when that line
+    cannot be read; a rank busy elsewhere with a recv posted stays outside any collective.
+    """
+    posted = [op for op in view.open.values() if op.async_ and op.p2p and op.peer is not None]
+    if not posted or frame is None:
+        return None
+    below = stack[stack.index(frame) + 1:] if frame in stack else []
+    text = source_line(frame)
+    if text and "wait" not in text and not any("wait" in str(f.get("func")) for f in below):
+        return None
+    op = min(posted, key=lambda o: o.start or 0.0)
+    pos = Position(view.rank, "in-collective", op=op, seq=op.seq, where=frame["where"], file=frame["file"],
+                   line=frame["line"])
+    pos.detail = f"waits for the {op.op} posted at {op.where}" if op.where else f"waits for an {op.op}"
     return pos
 
 

@@ -104,8 +104,9 @@ class RankView:
                 dtypes=event.get("dtypes"), where=event.get("where"), file=event.get("file"),
                 line=event.get("line"), start=event["t"], p2p=bool(event.get("p2p")),
                 async_=bool(event.get("async")), peer=_rank_or_none(event.get("peer")))
-        if len(self.order) == self.order.maxlen:
+        if len(self.order) == self.order.maxlen:  # forgotten, open or not (an isend never waited for)
             self.ops.pop(self.order[0], None)
+            self.open.pop(self.order[0], None)
         self.order.append(event["id"])
         self.ops[event["id"]] = op
         self.open[event["id"]] = op
