@@ -119,6 +119,39 @@ def test_a_rank_in_the_wait_of_an_irecv_whose_send_never_came_names_the_sender(l
     leftovers.check()
 
 
+def _ddp_rank_skips_a_layer():
+    import torch
+    import torch.distributed as dist
+    from torch.nn.parallel import DistributedDataParallel
+
+    class Net(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.first, self.second = torch.nn.Linear(8, 8), torch.nn.Linear(8, 8)
+
+        def forward(self, x, both):
+            return self.second(self.first(x)) if both else self.first(x)
+
+    model = DistributedDataParallel(Net())
+    for step in range(4):
+        both = not (dist.get_rank() == 1 and step == 1)  # rank 1 skips a layer once
+        model(torch.ones(2, 8), both).sum().backward()  # line: ddp step
+
+
+def test_ddp_parameters_unused_on_one_rank_are_named_with_the_ddp_fix(leftovers):
+    with pytest.raises(RankError) as info:
+        doctor.launch(_ddp_rank_skips_a_layer, num_processes=2, timeout_s=60, stall_s=1.5)
+    found = info.value.diagnosis
+    assert (found.kind, found.ranks) == ("rank-exited", [1])
+    assert found.summary.startswith("Rank 1 raised RuntimeError: Expected to have finished reduction in the "
+                                    "prior iteration"), found.summary
+    waiting = found.per_rank[0]
+    assert waiting.location == f"{HERE}:{_line('ddp step')}" and waiting.op == "all_reduce"
+    assert found.fix.startswith("DDP: some parameters got no gradient on that rank"), found.fix
+    assert "find_unused_parameters=True" in found.fix and found.fix.endswith(doctor.FIXES["rank-exited"])
+    leftovers.check()
+
+
 def _subgroup_member_stays_behind():
     import torch
     import torch.distributed as dist

@@ -146,7 +146,8 @@ def diagnose(views: dict[int, RankView], num_processes: int, reason: str,
     per_rank = [_report(positions[rank]) for rank in range(num_processes)]
     evidence = Evidence(views=views, histories=histories, positions=positions, stacks=stacks or {},
                         reason=reason, detected_at=time.time())
-    return Diagnosis(verdict, kind, culprits, summary, FIXES[kind], detected_after_s, per_rank, evidence)
+    fix = wording.fix(kind, [positions[rank] for rank in culprits if rank in positions])
+    return Diagnosis(verdict, kind, culprits, summary, fix, detected_after_s, per_rank, evidence)
 
 
 def _verdict(kind: str, reason: str, positions: dict[int, Position]) -> str:

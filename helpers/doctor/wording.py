@@ -43,6 +43,29 @@ FIXES = {
 }
 
 
+# errors whose cause is known, by the first sentence a culprit raised: what to do first. Each message
+# is torch's own (2.13): DDP's reducer (reducer.cpp) and the caching allocator (CUDACachingAllocator.cpp).
+KNOWN_ERRORS = [
+    (re.compile(r"Expected to have finished reduction in the prior iteration"),
+     "DDP: some parameters got no gradient on that rank in the last step (a branch of the model it "
+     "skipped), so its gradient all-reduce never started while the other ranks waited in theirs. Make "
+     "every rank use every parameter in every step, or pass find_unused_parameters=True to "
+     "DistributedDataParallel (with accelerate: Accelerator(kwargs_handlers="
+     "[DistributedDataParallelKwargs(find_unused_parameters=True)]), which costs a graph walk per step)."),
+    (re.compile(r"CUDA out of memory|OutOfMemoryError"),
+     f"CUDA ran out of memory on that rank: {NB_MEMORY} finds the largest batch that fits; "
+     "PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True helps when the error says much memory is "
+     "reserved but unallocated."),
+]
+
+
+def fix(kind: str, culprits: list[Position]) -> str:
+    """What to do: the kind's fix, after the cure for a culprit's known error when there is one."""
+    known = [cure for pattern, cure in KNOWN_ERRORS
+             if any(pattern.search(pos.detail or "") for pos in culprits)]
+    return " ".join([*known, FIXES[kind]])
+
+
 def shapes_text(shapes: list | None) -> str | None:
     """Shapes as '[2, 3], [4]' (None when unknown)."""
     if shapes is None:
