@@ -152,6 +152,19 @@ def test_ddp_parameters_unused_on_one_rank_are_named_with_the_ddp_fix(leftovers)
     leftovers.check()
 
 
+def test_a_known_error_leads_the_fix_only_for_a_culprit_that_raised_it():
+    """torch's own first sentences (2.13); a rank that merely waited keeps the kind's fix alone."""
+    from helpers.doctor.records import Position
+
+    oom = Position(1, "exited", detail="raised torch.OutOfMemoryError: CUDA out of memory.")
+    fix = wording.fix("rank-exited", [oom])
+    assert fix.startswith("CUDA ran out of memory on that rank") and wording.NB_MEMORY in fix
+    assert fix.endswith(doctor.FIXES["rank-exited"])
+    assert wording.fix("rank-exited", [Position(1, "exited", detail="raised ValueError: bad row.")]) == (
+        doctor.FIXES["rank-exited"])
+    assert wording.fix("rank-missing", []) == doctor.FIXES["rank-missing"]
+
+
 def _subgroup_member_stays_behind():
     import torch
     import torch.distributed as dist
