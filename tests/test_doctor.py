@@ -119,6 +119,32 @@ def test_a_rank_in_the_wait_of_an_irecv_whose_send_never_came_names_the_sender(l
     leftovers.check()
 
 
+def _ring_rank_forgets_a_send():
+    import torch
+    import torch.distributed as dist
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+    for step in range(4):
+        ops = [dist.P2POp(dist.isend, torch.ones(4), (rank + 1) % world),
+               dist.P2POp(dist.irecv, torch.zeros(4), (rank - 1) % world)]
+        if rank == 1 and step == 2:
+            ops = ops[1:]  # its send to rank 2, forgotten once
+        for work in dist.batch_isend_irecv(ops):
+            work.wait()  # line: ring wait
+
+
+def test_a_rank_that_sent_one_message_fewer_is_named_when_its_peer_is_left_waiting(leftovers):
+    with pytest.raises(RankError) as info:
+        doctor.launch(_ring_rank_forgets_a_send, num_processes=3, timeout_s=60, stall_s=1.5)
+    found = info.value.diagnosis
+    assert (found.kind, found.ranks) == ("rank-exited", [1]), found.summary
+    waiting = found.per_rank[2]
+    assert (waiting.op, waiting.location) == ("batch_isend_irecv", f"{HERE}:{_line('ring wait')}")
+    assert found.summary.startswith("Rank 1 finished its work while other ranks still needed it (rank 2 in "
+                                    f"batch_isend_irecv at {HERE}:{_line('ring wait')})"), found.summary
+    leftovers.check()
+
+
 def _ddp_rank_skips_a_layer():
     import torch
     import torch.distributed as dist

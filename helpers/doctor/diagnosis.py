@@ -272,12 +272,18 @@ _COMM_ERROR = re.compile(r"gloo|nccl|Connection (reset|closed)|DistBackendError|
 
 def _failed_inside(view: RankView, error: str | None) -> Op | None:
     """For a communication error raised outside any Python wrapper (DDP's collectives, issued from
-    C++): the collective it came from, i.e. the first not retired, else the last one enqueued."""
+    C++; a p2p work's ``wait()``): the collective it came from, i.e. the first not retired, else
+    the isend or irecv posted last of those still open, else the last collective enqueued."""
     if not error or not _COMM_ERROR.search(error):
         return None
     entries = [e for e in (view.state or {}).get("fr") or [] if not e.get("is_p2p")]
-    pending = [e for e in entries if not e.get("retired")] or entries[-1:]
-    op = fr_op(pending[0]) if pending else Op(op="collective", seq=view.pending_seq())
+    pending = [e for e in entries if not e.get("retired")]
+    posted = [op for op in view.open.values() if op.async_ and op.p2p]  # in the wait() of one, mostly
+    if pending or not posted:
+        pending = pending or entries[-1:]
+        op = fr_op(pending[0]) if pending else Op(op="collective", seq=view.pending_seq())
+    else:  # the newest send or recv still open: the helper thread may not have seen the earlier
+        op = replace(max(posted, key=lambda o: o.start or 0.0))  # ones complete (every FLUSH_S)
     exit_record = view.exit or {}
     op.where, op.file, op.line = (exit_record.get(k) for k in ("where", "file", "line"))
     op.error, op.ok = error, False
