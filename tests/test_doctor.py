@@ -145,6 +145,26 @@ def test_a_rank_that_sent_one_message_fewer_is_named_when_its_peer_is_left_waiti
     leftovers.check()
 
 
+def _all_to_all_with_splits_of_its_own():
+    import torch
+    import torch.distributed as dist
+
+    splits = [3, 3] if dist.get_rank() == 1 else [2, 2]  # rank 1 computed its splits differently
+    sizes = {"output_split_sizes": [2, 2], "input_split_sizes": splits}
+    dist.all_to_all_single(torch.zeros(4), torch.ones(sum(splits)), **sizes)  # line: a2a
+
+
+def test_an_error_of_a_ranks_own_inside_a_collective_makes_it_the_culprit_not_a_victim(leftovers):
+    with pytest.raises(RankError) as info:
+        doctor.launch(_all_to_all_with_splits_of_its_own, num_processes=2, timeout_s=60, stall_s=1.5)
+    found = info.value.diagnosis
+    assert (found.kind, found.ranks) == ("rank-exited", [1]), found.summary
+    a2a = f"{HERE}:{_line('a2a')}"
+    assert found.summary.startswith("Rank 1 raised RuntimeError: inLengthPerRank") and a2a in found.summary
+    assert "(rank 0 in all_to_all_single" in found.summary and "rank 1 in" not in found.summary
+    leftovers.check()
+
+
 def _ddp_rank_skips_a_layer():
     import torch
     import torch.distributed as dist

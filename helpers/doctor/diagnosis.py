@@ -266,8 +266,9 @@ def position(view: RankView) -> Position:
     return pos
 
 
-_COMM_ERROR = re.compile(r"gloo|nccl|Connection (reset|closed)|DistBackendError|ProcessGroup|"
-                         r"Timed out waiting|timed out", re.IGNORECASE)
+_COMM_ERROR = re.compile(r"gloo|nccl|Connection (reset|closed|refused)|DistBackendError|ProcessGroup|"
+                         r"Timed out waiting|timed out|timeout|Broken pipe|(Read|Write) error",
+                         re.IGNORECASE)
 
 
 def _failed_inside(view: RankView, error: str | None) -> Op | None:
@@ -481,7 +482,15 @@ def _exited_culprits(positions: dict[int, Position]) -> list[int]:
     # A rank killed while waiting in a collective after a peer died outside any (gloo can SIGSEGV
     # or SIGABRT when the peer's sockets close) is that death's echo, not a second cause.
     outside = [r for r in culprits if positions[r].state != "exited" or positions[r].op is None]
-    return sorted(outside or culprits)
+    return sorted(outside or culprits or _own_errors(positions))
+
+
+def _own_errors(positions: dict[int, Position]) -> list[int]:
+    """Ranks that raised inside a collective an error of their own, not of the communication (gloo
+    rejecting a rank's split sizes, torch its tensor), when no rank ended otherwise: the cause."""
+    return [pos.rank for pos in positions.values()
+            if pos.state == "exited" and pos.victim and pos.op is not None and not pos.timed_out
+            and pos.op.error and not _COMM_ERROR.search(wording.short_error(pos.op.error))]
 
 
 def _unanswered_p2p(positions: dict[int, Position]) -> dict[int, int]:

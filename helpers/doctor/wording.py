@@ -150,7 +150,8 @@ def divergence_summary(kind: str, key: tuple[str, int], present: dict[int, Op], 
 def exited_summary(culprits: list[int], positions: dict[int, Position]) -> str:
     """How each culprit rank ended, and who still needed it."""
     sentences = []
-    needing = [p for p in positions.values() if p.state == "in-collective" or p.victim]
+    needing = [p for p in positions.values()
+               if (p.state == "in-collective" or p.victim) and p.rank not in culprits]
     for rank in culprits:
         pos = positions[rank]
         if pos.state == "finished":
