@@ -47,6 +47,9 @@ OPS: dict[str, tuple[tuple[int, str] | None, tuple[int, str] | None]] = {
 }
 P2P_OPS = frozenset({"send", "recv", "isend", "irecv", "send_object_list", "recv_object_list",
                      "batch_isend_irecv"})
+# rooted collectives -> the argument naming their root (a global rank every rank must agree on)
+ROOTS = {"broadcast": "src", "reduce": "dst", "gather": "dst", "scatter": "src",
+         "broadcast_object_list": "src", "gather_object": "dst", "scatter_object_list": "src"}
 # ops that return a work to wait on, always (they have no async_op argument)
 ASYNC_OPS = frozenset({"isend", "irecv", "batch_isend_irecv"})
 # ops that issue several inner collectives (the Flight Recorder sees those, not the call)

@@ -165,6 +165,26 @@ def test_an_error_of_a_ranks_own_inside_a_collective_makes_it_the_culprit_not_a_
     leftovers.check()
 
 
+def _broadcast_from_its_own_rank():
+    import torch
+    import torch.distributed as dist
+
+    rank = dist.get_rank()
+    dist.broadcast(torch.zeros(4), src=1 if rank == 1 else 0)  # line: broadcast root
+    dist.barrier()
+
+
+def test_a_broadcast_with_a_root_of_its_own_names_that_rank(leftovers):
+    with pytest.raises(doctor.HangDetected) as info:
+        doctor.launch(_broadcast_from_its_own_rank, num_processes=3, timeout_s=60, stall_s=1.5)
+    found = info.value.diagnosis
+    assert (found.kind, found.ranks) == ("collective-mismatch", [1]), found.summary
+    site = f"{HERE}:{_line('broadcast root')}"
+    assert found.summary.startswith(f"Ranks called broadcast at {site} (collective #"), found.summary
+    assert "with different roots: rank 0 src=0; rank 1 src=1; rank 2 src=0. Rank 1 differs" in found.summary
+    leftovers.check()
+
+
 def _ddp_rank_skips_a_layer():
     import torch
     import torch.distributed as dist

@@ -419,12 +419,21 @@ def first_divergence(histories: dict[int, dict[tuple[str, int], Op]]):
         present = {r: histories[r][key] for r in ranks if key in histories[r]}
         if len(present) < 2:
             continue
-        groups: dict[tuple, list[int]] = {}
-        for rank, op in sorted(present.items()):
-            groups.setdefault(op.signature(), []).append(rank)
+        groups = _grouped(present)
         if len(groups) > 1:
             return key, groups, present
     return None
+
+
+def _grouped(present: dict[int, Op]) -> dict[tuple, list[int]]:
+    """Ranks by what they issued; the root of a rooted collective too, when every rank's is known
+    (Python's records have it, the Flight Recorder's not)."""
+    roots = {op.root for op in present.values()}
+    with_root = len(roots) > 1 and None not in roots
+    groups: dict[tuple, list[int]] = {}
+    for rank, op in sorted(present.items()):
+        groups.setdefault(op.signature() + ((op.root,) if with_root else ()), []).append(rank)
+    return groups
 
 
 def _source(history: dict) -> str:
@@ -434,8 +443,10 @@ def _source(history: dict) -> str:
 def _divergence_kind(divergence, positions, histories):
     key, groups, present = divergence
     ops = {sig[0] for sig in groups}
-    kind = "collective-mismatch" if len(ops) > 1 else "shape-mismatch"
     culprits = _odd_ones_out(groups, present, histories, key)
+    if len(ops) == 1 and len({sig[:2] for sig in groups}) == 1:  # the same call but for its root
+        return "collective-mismatch", culprits, wording.root_summary(key, present, culprits)
+    kind = "collective-mismatch" if len(ops) > 1 else "shape-mismatch"
     return kind, culprits, wording.divergence_summary(kind, key, present, culprits, positions)
 
 

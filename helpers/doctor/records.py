@@ -44,6 +44,7 @@ class Op:
     async_: bool = False
     source: str = "python"
     peer: int | None = None  # a send's destination or a recv's source (global rank)
+    root: int | None = None  # a rooted collective's src or dst (global rank), as Python passed it
 
     def signature(self) -> tuple:
         """What must agree across ranks at one sequence number: the op, then shapes and dtypes."""
@@ -103,7 +104,8 @@ class RankView:
         op = Op(op=event["op"], pg=event.get("pg", "0"), seq=event.get("seq"), shapes=event.get("shapes"),
                 dtypes=event.get("dtypes"), where=event.get("where"), file=event.get("file"),
                 line=event.get("line"), start=event["t"], p2p=bool(event.get("p2p")),
-                async_=bool(event.get("async")), peer=_rank_or_none(event.get("peer")))
+                async_=bool(event.get("async")), peer=_rank_or_none(event.get("peer")),
+                root=_rank_or_none(event.get("root")))
         if len(self.order) == self.order.maxlen:  # forgotten, open or not (an isend never waited for)
             self.ops.pop(self.order[0], None)
             self.open.pop(self.order[0], None)

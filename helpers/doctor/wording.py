@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import Any
 
 from helpers import params
-from helpers.collectives import canonical_op
+from helpers.collectives import ROOTS, canonical_op
 from helpers.doctor.records import Op, Position
 from helpers.doctor.source import enclosing_loop, source_line
 
@@ -145,6 +145,19 @@ def divergence_summary(kind: str, key: tuple[str, int], present: dict[int, Op], 
     lead = ranks_text(culprits)
     return (f"Ranks issued different collectives as collective #{seq}: " + "; ".join(parts)
             + f". {lead} took a different path from the others.")
+
+
+def root_summary(key: tuple[str, int], present: dict[int, Op], culprits: list[int]) -> str:
+    """The ranks called one rooted collective with different roots (src or dst)."""
+    op = next(iter(present.values()))
+    site = next((o.where for o in present.values() if o.where), None)
+    argument = ROOTS.get(canonical_op(op.op), "src")
+    parts = [f"rank {rank} {argument}={o.root}" for rank, o in sorted(present.items())]
+    odd = (f"{ranks_text(culprits)} differ{'s' if len(culprits) == 1 else ''} from the others. "
+           if len(culprits) < len(present) else "")
+    return (f"Ranks called {_op_name(op)}{' at ' + site if site else ''} (collective #{key[1]}) with "
+            f"different roots: {'; '.join(parts)}. {odd}Every rank must pass the same {argument}, a "
+            f"global rank (src=0, not src=accelerator.process_index).")
 
 
 def exited_summary(culprits: list[int], positions: dict[int, Position]) -> str:

@@ -40,7 +40,7 @@ from pathlib import Path
 from typing import Any
 
 from helpers import rundir
-from helpers.collectives import ASYNC_OPS, MULTI_OPS, OPS, P2P_OPS
+from helpers.collectives import ASYNC_OPS, MULTI_OPS, OPS, P2P_OPS, ROOTS
 from helpers.trace.callsites import site_json, user_files, user_frame
 
 FLUSH_S = 0.05  # the helper thread writes the queued records this often
@@ -447,11 +447,15 @@ class _Plan:
         compared, peer = OPS[name]
         self.name = name
         params = list(inspect.signature(fn).parameters)
+        root = ROOTS.get(name)
+        if peer is None and root in params:  # a rooted collective's root, read where a peer would be
+            peer = (params.index(root), root)
         # where each argument is, as (position, keyword): read inline by ``_wrap``'s wrapper
         self.group = (params.index("group"), "group") if "group" in params else _ABSENT
         self.async_op = (params.index("async_op"), "async_op") if "async_op" in params else _ABSENT
         self.compared, self.peer_at = compared or _ABSENT, peer or _ABSENT
         self.has_peer = peer is not None
+        self.peer_field = "peer" if name in P2P_OPS else "root"  # a p2p op's peer, a collective's root
         self.p2p = name in P2P_OPS
         self.always_async = name in ASYNC_OPS  # returns a work to wait on, with no async_op to say so
         self.multi = name in MULTI_OPS
@@ -473,11 +477,11 @@ class _Plan:
 
     def fields(self, blocking: bool, tensors: Any, peer: Any) -> str:
         """The call's record fields after the sequence number, as JSON text: p2p flag, shapes,
-        dtypes, peer and async flag."""
+        dtypes, peer (a rooted collective's root) and async flag."""
         fields = ',"p2p":true' if self.p2p else ""
         fields += _tensors_json(tensors)
         if self.has_peer:
-            fields += f',"peer":{json.dumps(_integer(peer))}'
+            fields += f',"{self.peer_field}":{json.dumps(_integer(peer))}'
         if not blocking:
             fields += ',"async":true'
         return fields
