@@ -267,7 +267,7 @@ def position(view: RankView) -> Position:
 
 
 _COMM_ERROR = re.compile(r"gloo|nccl|Connection (reset|closed|refused)|DistBackendError|ProcessGroup|"
-                         r"Timed out waiting|timed out|timeout|Broken pipe|(Read|Write) error",
+                         r"Timed out waiting|timed out|Socket Timeout|Broken pipe|(Read|Write) error",
                          re.IGNORECASE)
 
 

@@ -157,7 +157,7 @@ def root_summary(key: tuple[str, int], present: dict[int, Op], culprits: list[in
            if len(culprits) < len(present) else "")
     return (f"Ranks called {_op_name(op)}{' at ' + site if site else ''} (collective #{key[1]}) with "
             f"different roots: {'; '.join(parts)}. {odd}Every rank must pass the same {argument}, a "
-            f"global rank (src=0, not src=accelerator.process_index).")
+            f"global rank ({argument}=0, not {argument}=accelerator.process_index).")
 
 
 def exited_summary(culprits: list[int], positions: dict[int, Position]) -> str:
