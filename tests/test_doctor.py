@@ -231,6 +231,24 @@ def test_a_known_error_leads_the_fix_only_for_a_culprit_that_raised_it():
     assert wording.fix("rank-missing", []) == doctor.FIXES["rank-missing"]
 
 
+def test_a_flight_recorder_entry_belongs_to_the_call_whose_times_hold_it_not_the_next_one():
+    """Times seen under load (rank 1 of the fixed in-order-logging script, torch 2.13 gloo): the
+    all_reduce after a 49 us barrier started within the clocks' slack of the barrier's entry."""
+    from helpers.doctor.records import RankView
+
+    view = RankView(1)
+    for op_id, (name, seq, start, end, line) in enumerate([("barrier", 32, 5.045912, 5.045961, 59),
+                                                           ("all_reduce", 33, 5.046014, 5.046230, 51)]):
+        view.apply({"ev": "op", "id": op_id, "op": name, "pg": "0", "seq": seq, "t": start, "te": end,
+                    "ok": True, "where": f"in_order_logging_fixed.py:{line}", "line": line})
+    entries = [("gloo:barrier", 32, 5.045930), ("gloo:all_reduce", 33, 5.046037)]
+    view.state = {"fr": [{"profiling_name": name, "collective_seq_id": seq, "time_created_ns": int(t * 1e9),
+                          "retired": True} for name, seq, t in entries]}
+    found = diagnosis_module.history(view)
+    assert (found[("0", 32)].op, found[("0", 32)].line) == ("barrier", 59)
+    assert (found[("0", 33)].op, found[("0", 33)].line) == ("all_reduce", 51)
+
+
 def _subgroup_member_stays_behind():
     import torch
     import torch.distributed as dist

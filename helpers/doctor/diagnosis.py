@@ -214,14 +214,17 @@ _CLOCK_SLACK_S = 1e-4  # both clocks are the wall clock; the entry is created in
 
 
 def _owner(python: list[Op], created: float) -> Op | None:
-    """The Python-level call during which a Flight Recorder entry was created."""
-    for op in reversed(python):
-        if op.start is None:
-            continue
-        if op.start - _CLOCK_SLACK_S <= created and (op.end is None or created <= op.end + _CLOCK_SLACK_S):
-            return op
-        if op.end is not None and op.end < created - _CLOCK_SLACK_S:
-            break
+    """The Python-level call during which a Flight Recorder entry was created: the one whose
+    times hold it, else the one they hold within the clocks' slack (the next call can start within
+    the slack of a short barrier's entry: it must not take it, as it did under load)."""
+    for slack in (0.0, _CLOCK_SLACK_S):
+        for op in reversed(python):
+            if op.start is None:
+                continue
+            if op.start - slack <= created and (op.end is None or created <= op.end + slack):
+                return op
+            if op.end is not None and op.end < created - slack:
+                break
     return None
 
 
