@@ -282,12 +282,12 @@ def _failed_inside(view: RankView, error: str | None) -> Op | None:
         return None
     entries = [e for e in (view.state or {}).get("fr") or [] if not e.get("is_p2p")]
     pending = [e for e in entries if not e.get("retired")]
-    posted = [op for op in view.open.values() if op.async_ and op.p2p]  # in the wait() of one, mostly
+    posted = _posted_p2p(view)  # in the wait() of one, mostly
     if pending or not posted:
         pending = pending or entries[-1:]
         op = fr_op(pending[0]) if pending else Op(op="collective", seq=view.pending_seq())
     else:  # the newest send or recv still open: the helper thread may not have seen the earlier
-        op = replace(max(posted, key=lambda o: o.start or 0.0))  # ones complete (every FLUSH_S)
+        op = replace(posted[-1])  # ones complete (it looks every FLUSH_S)
     exit_record = view.exit or {}
     op.where, op.file, op.line = (exit_record.get(k) for k in ("where", "file", "line"))
     op.error, op.ok = error, False
@@ -342,18 +342,23 @@ def _waited_p2p(view: RankView, stack: list[dict[str, Any]], frame: dict[str, An
     the rank's position when the rank's own line (or a frame it called) waits, or when that line
     cannot be read; a rank busy elsewhere with a recv posted stays outside any collective.
     """
-    posted = [op for op in view.open.values() if op.async_ and op.p2p and op.peer is not None]
+    posted = [op for op in _posted_p2p(view) if op.peer is not None]
     if not posted or frame is None:
         return None
     below = stack[stack.index(frame) + 1:] if frame in stack else []
     text = source_line(frame)
     if text and "wait" not in text and not any("wait" in str(f.get("func")) for f in below):
         return None
-    op = min(posted, key=lambda o: o.start or 0.0)
+    op = posted[0]
     pos = Position(view.rank, "in-collective", op=op, seq=op.seq, where=frame["where"], file=frame["file"],
                    line=frame["line"])
     pos.detail = f"waits for the {op.op} posted at {op.where}" if op.where else f"waits for an {op.op}"
     return pos
+
+
+def _posted_p2p(view: RankView) -> list[Op]:
+    """The rank's isends and irecvs (and batches of them) still open, oldest first."""
+    return sorted((op for op in view.open.values() if op.async_ and op.p2p), key=lambda op: op.start or 0.0)
 
 
 def _innermost_user_frame(stack: list[dict[str, Any]]) -> dict[str, Any] | None:
