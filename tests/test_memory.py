@@ -104,7 +104,11 @@ def test_ranks_agree_on_the_minimum_where_accelerate_ranks_disagree(leftovers):
     assert memory.probe("mlp", search.found - PROBE_NOISE, 48).ok
     bound = next(p for p in search.probes if p.batch_size == search.failed_above)
     assert "rank 1:" in bound.error and "rank 0:" not in bound.error
-    assert search.found <= baseline.per_rank_found[1] * 1.12 + PROBE_NOISE
+    assert not memory.probe("mlp", search.failed_above + PROBE_NOISE, 48).ok
+    # accelerate retries in the process that held its failed attempts' heap, so its rank 1 can land
+    # x0.9 steps below what a fresh probe fits (22 fitted fresh in a full run where accelerate failed
+    # at 22 and 19 and took 17): the search is within three such steps of it, below rank 0's answer
+    assert search.found <= baseline.per_rank_found[1] / 0.9**3 + PROBE_NOISE < baseline.per_rank_found[0]
     leftovers.check()
 
 
