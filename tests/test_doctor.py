@@ -91,6 +91,30 @@ def test_a_recv_whose_peer_is_in_another_operation_names_the_peer(leftovers):
     leftovers.check()
 
 
+def _pair_both_send_first():
+    import torch
+    import torch.distributed as dist
+
+    rank, message = dist.get_rank(), torch.ones(4 * 1024 * 1024)  # 16 MiB: no send returns unmatched
+    if rank < 2:
+        dist.send(message, dst=1 - rank)  # line: crossed send
+        dist.recv(message, src=1 - rank)
+    dist.barrier()
+
+
+def test_two_ranks_each_sending_to_the_other_first_are_a_crossed_pair(leftovers):
+    with pytest.raises(doctor.HangDetected) as info:
+        doctor.launch(_pair_both_send_first, num_processes=3, timeout_s=60, stall_s=1.5)
+    found = info.value.diagnosis
+    assert (found.verdict, found.kind, found.ranks) == ("hang", "collective-mismatch", [0, 1]), found.summary
+    send = f"{HERE}:{_line('crossed send')}"
+    assert found.summary.startswith(f"Rank 0 waits to send to rank 1 (send at {send}) while rank 1 waits to "
+                                    f"send to rank 0 (send at {send}): each waits for the other"), found
+    assert found.fix.startswith(wording.CROSSED_P2P_CURE)
+    assert found.per_rank[2].op == "barrier"  # the bystander waits, and is no culprit
+    leftovers.check()
+
+
 def _scatter_skips_a_send():
     import torch
     import torch.distributed as dist

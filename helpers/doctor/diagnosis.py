@@ -385,6 +385,9 @@ def _classify(positions: dict[int, Position], histories: dict[int, dict], views:
     exited = _exited_culprits(positions)
     if exited:
         return "rank-exited", exited, wording.exited_summary(exited, positions)
+    crossed = _crossed_p2p(positions)
+    if crossed:
+        return "collective-mismatch", crossed, wording.crossed_p2p_summary(crossed, positions)
     unanswered = _unanswered_p2p(positions)
     if unanswered:
         return "rank-missing", sorted(set(unanswered.values())), wording.p2p_summary(unanswered, positions)
@@ -510,6 +513,21 @@ def _own_errors(positions: dict[int, Position]) -> list[int]:
     return [pos.rank for pos in positions.values()
             if pos.state == "exited" and pos.victim and pos.op is not None and not pos.timed_out
             and pos.op.error and not _COMM_ERROR.search(wording.short_error(pos.op.error))]
+
+
+def _crossed_p2p(positions: dict[int, Position]) -> list[int]:
+    """Ranks waiting in a send to a peer that waits in a send to them (or both in a recv): each
+    waits for the other to post the match, and neither will."""
+    crossed = []
+    for pos in positions.values():
+        op = pos.op
+        if pos.state != "in-collective" or op is None or not op.p2p or op.peer not in positions:
+            continue
+        peer = positions[op.peer]
+        if peer.state == "in-collective" and peer.op is not None and peer.op.p2p and \
+                peer.op.peer == pos.rank and wording.receives(peer.op) == wording.receives(op):
+            crossed.append(pos.rank)
+    return sorted(crossed)
 
 
 def _unanswered_p2p(positions: dict[int, Position]) -> dict[int, int]:

@@ -59,10 +59,19 @@ KNOWN_ERRORS = [
 ]
 
 
+CROSSED_P2P_CURE = (
+    "Order each pair's send and recv oppositely (the lower rank sends first and the higher receives "
+    "first), or post both with dist.isend / dist.irecv (or dist.batch_isend_irecv) and then wait on them.")
+
+
 def fix(kind: str, culprits: list[Position]) -> str:
-    """What to do: the kind's fix, after the cure for a culprit's known error when there is one."""
+    """What to do: the kind's fix, after the cure for a culprit's known error when there is one (and
+    for crossed sends or recvs, the only collective-mismatch whose culprits wait in p2p ops)."""
     known = [cure for pattern, cure in KNOWN_ERRORS
              if any(pattern.search(pos.detail or "") for pos in culprits)]
+    crossed = culprits and all(pos.op is not None and pos.op.p2p for pos in culprits)
+    if kind == "collective-mismatch" and crossed:
+        known.append(CROSSED_P2P_CURE)
     return " ".join([*known, FIXES[kind]])
 
 
@@ -200,6 +209,27 @@ def missing_summary(missing: list[int], positions: dict[int, Position]) -> str:
         where.append(f"rank {rank} is {what}".rstrip()
                      + (f" ({pos.where})" if pos.where and pos.where not in what else ""))
     return text + "; " + "; ".join(where) + "."
+
+
+def receives(op: Op) -> bool:
+    """Is a p2p op a receive (recv, irecv), not a send?"""
+    return "recv" in canonical_op(op.op)
+
+
+def crossed_p2p_summary(crossed: list[int], positions: dict[int, Position]) -> str:
+    """Pairs of ranks each waiting in a send to the other (or each in a recv from the other)."""
+    parts = []
+    for rank in crossed:
+        pos = positions[rank]
+        peer = pos.op.peer
+        if peer in crossed and peer < rank:
+            continue
+        verb = "receive from" if receives(pos.op) else "send to"
+        other = positions[peer]
+        parts.append(f"Rank {rank} waits to {verb} rank {peer} ({_op_name(pos.op)}{_at(pos)}) while rank "
+                     f"{peer} waits to {verb} rank {rank} ({_op_name(other.op)}{_at(other)})")
+    return ("; ".join(parts) + ": each waits for the other to post the match, a deadlock (a blocking send "
+            "need not return before its peer posts the recv).")
 
 
 def p2p_summary(unanswered: dict[int, int], positions: dict[int, Position]) -> str:
