@@ -185,6 +185,36 @@ def test_a_rank_whose_python_cannot_answer_is_named_after_a_bounded_wait(script,
     leftovers.check()
 
 
+def test_a_rank_whose_python_stops_right_after_a_collective_is_placed_by_its_stack(script, tmp_path,
+                                                                                    leftovers):
+    # its last heartbeat caught it inside the all_reduce before: py-spy's stack says where it is now
+    outcome = _run(script, tmp_path, "gil-step")
+    data = _json(outcome)
+    if not any("py-spy" in note for note in data["notes"]):
+        pytest.skip("py-spy may not read the rank here (ptrace rights)")
+    assert (data["verdict"], data["kind"], data["ranks"]) == ("hang", "rank-missing", [3]), data
+    culprit = data["per_rank"][3]
+    assert (culprit["state"], culprit["op"]) == ("outside-collective", None)
+    assert culprit["location"] == _line("native-step")
+    assert all(data["per_rank"][rank]["location"] == _line("steps") for rank in (0, 1, 2))
+    leftovers.check()
+
+
+def test_a_rank_gloo_aborts_on_a_size_mismatch_is_named_with_its_size(script, tmp_path, leftovers):
+    # on 3 ranks gloo aborts rank 2 (SIGABRT) within milliseconds of its all_reduce of 1 float
+    # against the others' 8, before its next heartbeat: the record it posted before the call is the
+    # evidence (one node: on 4 ranks gloo's ring let the smaller rank finish instead)
+    outcome = runs.run_job([str(script)], tmp_path, nodes=1, per_node=3, stall_s=STALL_S, timeout_s=TIMEOUT_S,
+                           env={"MODE": "size", "CULPRIT": "2"})
+    assert not _left(script), "job processes left"
+    data = _json(outcome, world=3)
+    assert (data["kind"], data["ranks"]) == ("shape-mismatch", [2]), data
+    assert outcome.rank_codes[2] == -signal.SIGABRT, outcome.rank_codes
+    assert data["per_rank"][2]["shapes"] == [[1]] and data["per_rank"][0]["shapes"] == [[8]]
+    assert data["per_rank"][2]["location"] == _line("steps")
+    leftovers.check()
+
+
 def test_kill_9_of_one_agent_ends_the_job_on_both_nodes(script, tmp_path, leftovers):
     started = runs.start_job([str(script)], tmp_path, stall_s=30.0, env={"MODE": "hang", "CULPRIT": "3"})
     try:

@@ -7,6 +7,9 @@ keeps its keys under ``helpers-doctor/<run id>/<restart>/`` so they never meet t
     roster          "0,1,3,": the ranks whose watchdog started (appended); roster_n: how many
     hb/<rank>       a rank's heartbeat (JSON): a counter, host and pid, where it is, how long it has
                     waited, its open collectives' records, and how it ended
+    call/<rank>     the record of the rank's latest first call from a line with a tensor of a new size,
+                    posted before it runs (gloo aborts a process at once when the ranks' sizes
+                    differ, before its next heartbeat); "null" until then
     claim           the rank that is diagnosing now
     req             the leader's request counter; state/<rank>/<n>: a rank's answer to request n
     verdict         the diagnosis (JSON), once made, and the stop: every rank ends with that exit
@@ -76,6 +79,7 @@ class Board:
         """Post the first heartbeat, then put this rank on the roster (so every rank on the roster has
         a heartbeat to read)."""
         self.beat(heartbeat)
+        self.store.set(f"call/{self.rank}", "null")
         self.store.append("roster", f"{self.rank},")
         self.store.add("roster_n", 1)
 
@@ -89,6 +93,24 @@ class Board:
     def beat(self, heartbeat: dict[str, Any]) -> None:
         """Post this rank's heartbeat."""
         self.store.set(f"hb/{self.rank}", json.dumps(heartbeat, separators=(",", ":"), default=str))
+
+    def post_call(self, record_text: str) -> None:
+        """Post the record (JSON text) of a call about to run for the first time with its size."""
+        self.store.set(f"call/{self.rank}", record_text)
+
+    def first_calls(self, ranks: list[int]) -> dict[int, dict[str, Any]]:
+        """The latest first-call record of each of ``ranks`` (on the roster) that posted one."""
+        if not ranks:
+            return {}
+        found = {}
+        for rank, value in zip(ranks, self.store.multi_get([f"call/{rank}" for rank in ranks]), strict=True):
+            try:
+                record = json.loads(value)
+            except ValueError:
+                continue
+            if isinstance(record, dict):
+                found[rank] = record
+        return found
 
     def read_beats(self, ranks: list[int]) -> dict[int, Seen]:
         """Read the heartbeats of ``ranks`` (on the roster); note which changed since last read."""

@@ -115,7 +115,7 @@ def run_rank(job: JobEnv, options: JobOptions, command: list[str]) -> NoReturn:
         reader = os.dup(tracer.fd)
     else:  # the tracer's file is open for appending only
         reader = os.open(rundir.trace_path(options.keep_dir, job.rank), os.O_RDONLY)
-    watchdog = Watchdog(job, options, reader, parent)
+    watchdog = Watchdog(job, options, reader, parent, tracer)
     watchdog.start()
     os._exit = watchdog.script_exits  # type: ignore[assignment] - a script's own os._exit says so first
     code, error = run_as_main(command)
@@ -169,9 +169,10 @@ def _leave(code: int, from_main: bool = False) -> NoReturn:
 class Watchdog(threading.Thread):
     """One rank's watchdog: heartbeats, answers, and the leader's work when this rank leads."""
 
-    def __init__(self, job: JobEnv, options: JobOptions, trace_fd: int, parent: int):
+    def __init__(self, job: JobEnv, options: JobOptions, trace_fd: int, parent: int, tracer: Any = None):
         super().__init__(name="helpers-doctor", daemon=True)
         self.job, self.options, self.trace_fd, self.parent = job, options, trace_fd, parent
+        self.tracer = tracer  # helpers.trace's Tracer of this rank: told to post first calls
         self.view = RankView(job.rank)
         self.records: deque = deque(maxlen=KEPT_RECORDS)
         self.host = socket.gethostname()
@@ -218,6 +219,8 @@ class Watchdog(threading.Thread):
         into this rank's wakeup pipe, and ends it at once, as if the doctor were not there (what the
         script itself set before the fork stays)."""
         os._exit = _EXIT
+        if self.tracer is not None:  # the store's connection is the rank's
+            self.tracer.on_first = None
         try:
             previous = signal.set_wakeup_fd(-1)
             if previous != self.wake_write:
@@ -279,6 +282,8 @@ class Watchdog(threading.Thread):
         """No store: say so once, let ended ranks leave, and still end this rank on SIGTERM (the main
         thread may wait in C++, where the Python handler never runs)."""
         print(f"doctor: rank {self.job.rank} {why}", file=sys.stderr)
+        if self.tracer is not None:
+            self.tracer.on_first = None
         self.decided.set()
         while True:
             if self.signalled is not None:
@@ -311,6 +316,16 @@ class Watchdog(threading.Thread):
                     raise
                 time.sleep(0.5)
         self.board.join(self.heartbeat())
+        if self.tracer is not None:
+            self.tracer.on_first = self._post_first_call
+
+    def _post_first_call(self, record_text: str) -> None:
+        """The tracer's ``on_first``, in the main thread: post a first call's record before it runs
+        (one store call; a store that fails is not asked again, so the script waits on it once)."""
+        try:
+            self.board.post_call(record_text)  # type: ignore[union-attr]
+        except Exception:  # noqa: BLE001 - the store is gone: the watchdog says so
+            self.tracer.on_first = None
 
     def _wait_tick(self) -> None:
         import select
@@ -509,10 +524,12 @@ class Watchdog(threading.Thread):
         answers = board.answers(number, asked, EVIDENCE_WAIT_S, self._beat_while_leading)
         answers[self.job.rank] = self.state(str(number))
         beats = board.read_beats(roster)
-        stacks = py_spy_stacks([rank for rank in asked if rank not in answers], beats, self.machine)
+        silent = [rank for rank in asked if rank not in answers]
+        stacks = py_spy_stacks(silent, beats, self.machine)
+        first_calls = board.first_calls([rank for rank in beats if rank not in answers])  # dead ones too
         self._beat_while_leading()
         diagnosis = diagnose_answers(self.job.world, reason, since_s + time.monotonic() - started, answers,
-                               beats, self.machine, stacks)
+                                     beats, self.machine, stacks, first_calls)
         diagnosis.notes.append(f"diagnosed inside the job by rank {self.job.rank} (on {self.host}), "
                                f"through the job's store at {self.job.master_addr}:{self.job.master_port}")
         self._publish(diagnosis)

@@ -113,9 +113,11 @@ def py_spy_stacks(ranks: list[int], beats: dict[int, Seen], machine: str) -> dic
 
 def diagnose_answers(world: int, reason: str, since_s: float, answers: dict[int, dict[str, Any]],
                beats: dict[int, Seen], machine: str,
-               stacks: dict[int, list[dict[str, Any]]] | None = None) -> Diagnosis:
+               stacks: dict[int, list[dict[str, Any]]] | None = None,
+               first_calls: dict[int, dict[str, Any]] | None = None) -> Diagnosis:
     """Views from the answers (or the last heartbeat of a rank that did not answer, with its stack
-    from py-spy when ``stacks`` has it), diagnosed."""
+    from py-spy when ``stacks`` has it, and its latest first call from ``first_calls`` when that is
+    newer than the heartbeat: a rank gloo aborted on a size mismatch posted it just before), diagnosed."""
     views, notes = {}, []
     vanished = {r for seen in beats.values() for r in (seen.beat.get("exit") or {}).get("gone") or []}
     for rank in range(world):
@@ -123,8 +125,9 @@ def diagnose_answers(world: int, reason: str, since_s: float, answers: dict[int,
         if rank in answers:
             views[rank] = view_from(rank, answers[rank], answers[rank])
         elif seen is not None:
-            view = view_from(rank, seen.beat, {"stack": [seen.beat["site"]] if seen.beat.get("site") else [],
-                                           "progress": seen.beat.get("progress") or {}, "fr": []})
+            view = view_from(rank, _with_first_call(seen.beat, (first_calls or {}).get(rank)),
+                             {"stack": [seen.beat["site"]] if seen.beat.get("site") else [],
+                              "progress": seen.beat.get("progress") or {}, "fr": []})
             dead = rank in vanished or (is_gone(seen, machine) and not seen.beat.get("exit"))
             if dead and not seen.beat.get("exit"):
                 view.exit, view.ended, view.exit_code = {"ev": "exit", "status": "vanished"}, True, None
@@ -133,6 +136,8 @@ def diagnose_answers(world: int, reason: str, since_s: float, answers: dict[int,
                              "by a signal, e.g. SIGKILL from the OOM killer; its agent's log has the signal")
             elif not seen.beat.get("exit") and rank in (stacks or {}):
                 view.state["stack"] = stacks[rank]
+                if not _in_torch_distributed(stacks[rank]):  # its last beat caught it in a call that returned
+                    _returned_since_beat(view)
                 notes.append(f"rank {rank} did not answer in {EVIDENCE_WAIT_S:.0f} s (native code holding "
                              "the GIL): its stack was read with py-spy")
             elif not seen.beat.get("exit"):
@@ -143,6 +148,34 @@ def diagnose_answers(world: int, reason: str, since_s: float, answers: dict[int,
     diagnosis = diagnose(views, world, reason, round(since_s, 3))
     diagnosis.notes.extend(notes)
     return diagnosis
+
+
+def _in_torch_distributed(frames: list[dict[str, Any]]) -> bool:
+    """Is a stack (py-spy's frames) inside torch.distributed's Python, where a blocking call waits?"""
+    return any("/torch/distributed/" in (frame.get("file") or "").replace("\\", "/") for frame in frames)
+
+
+def _returned_since_beat(view: RankView) -> None:
+    """A rank whose stack, read after its last heartbeat, is outside torch.distributed: the blocking
+    calls that heartbeat showed open have returned, their collectives completed."""
+    progress = dict(view.progress)
+    for op_id, op in list(view.open.items()):
+        if op.async_:  # an isend or irecv stays open until its wait() returns, outside torch's Python
+            continue
+        del view.open[op_id]
+        if op.seq is not None and op.pg in progress:
+            enqueued, done = progress[op.pg]
+            progress[op.pg] = [enqueued, max(done, op.seq)]
+    view.progress = progress
+
+
+def _with_first_call(beat: dict[str, Any], call: dict[str, Any] | None) -> dict[str, Any]:
+    """``beat`` with ``call`` (a first call's record) among its records when the beat predates it."""
+    records = beat.get("recs") or []
+    known = max((record.get("id") or 0 for record in records if isinstance(record, dict)), default=0)
+    if not call or not isinstance(call.get("id"), int) or call["id"] <= known:
+        return beat
+    return {**beat, "recs": [*records, call]}
 
 
 def view_from(rank: int, source: dict[str, Any], state: dict[str, Any]) -> RankView:

@@ -17,9 +17,10 @@ three to five times what it costs in a batch: a collective leaves the processor'
 a record touches many Python objects (bench/doctor_bench.py). What is written survives the rank
 being killed, and the file never shows a call as still running once it has returned. The first
 call from a line with a tensor of a new size is written before it runs (gloo aborts a process
-within milliseconds when the ranks' sizes differ). A rank killed outright (SIGKILL) loses its last
-``FLUSH_S`` of calls at most; an exception, an exit and every other record write the queue out
-first.
+within milliseconds when the ranks' sizes differ), and its record's text is handed to ``on_first``
+when set (the job's doctor posts it to the job's store: the file dies with the rank). A rank
+killed outright (SIGKILL) loses its last ``FLUSH_S`` of calls at most; an exception, an exit and
+every other record write the queue out first.
 """
 
 from __future__ import annotations
@@ -77,6 +78,7 @@ class Tracer:
         self.lock = threading.RLock()  # one writer at a time (re-entrant: a signal handler's call)
         self.started_on_file = 0  # the highest op id whose start record has left the queue
         self.unwaited: collections.deque = collections.deque()  # (op id, weak ref to its work)
+        self.on_first: Callable[[str], None] | None = None  # told each first call's record text
         self.closed = False
 
     def write(self, record: dict[str, Any], wait: bool = True) -> bool:
@@ -398,6 +400,8 @@ def _wrap(name: str, original: Callable, plan: _Plan) -> Callable:
         if first:
             plan.remember(signature)
             tracer.flush()  # on file before the call: gloo aborts the process at once on a size mismatch
+            if tracer.on_first is not None:  # and posted where the job's doctor reads it (job.py)
+                tracer.on_first(_record_text(item))
         try:
             result = original(*args, **kwargs)
         except BaseException as exc:
