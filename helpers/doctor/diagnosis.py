@@ -515,37 +515,34 @@ def _own_errors(positions: dict[int, Position]) -> list[int]:
             and pos.op.error and not _COMM_ERROR.search(wording.short_error(pos.op.error))]
 
 
-def _crossed_p2p(positions: dict[int, Position]) -> list[int]:
-    """Ranks waiting in a send to a peer that waits in a send to them (or both in a recv): each
-    waits for the other to post the match, and neither will."""
-    crossed = []
+def _p2p_waits(positions: dict[int, Position]):
+    """(waiting rank's position, its peer's position) for each rank waiting in a send or recv whose
+    peer waits in an operation too (a peer outside any is left to ``_missing_ranks``)."""
     for pos in positions.values():
         op = pos.op
         if pos.state != "in-collective" or op is None or not op.p2p or op.peer not in positions:
             continue
         peer = positions[op.peer]
-        if peer.state == "in-collective" and peer.op is not None and peer.op.p2p and \
-                peer.op.peer == pos.rank and wording.receives(peer.op) == wording.receives(op):
-            crossed.append(pos.rank)
-    return sorted(crossed)
+        if peer.state == "in-collective":
+            yield pos, peer
+
+
+def _facing(pos: Position, peer: Position) -> bool:
+    """Does ``peer`` wait in a send or recv with ``pos``'s rank?"""
+    return peer.op is not None and peer.op.p2p and peer.op.peer == pos.rank
+
+
+def _crossed_p2p(positions: dict[int, Position]) -> list[int]:
+    """Ranks waiting in a send to a peer that waits in a send to them (or both in a recv): each
+    waits for the other to post the match, and neither will."""
+    return sorted(pos.rank for pos, peer in _p2p_waits(positions)
+                  if _facing(pos, peer) and wording.receives(peer.op) == wording.receives(pos.op))
 
 
 def _unanswered_p2p(positions: dict[int, Position]) -> dict[int, int]:
     """Ranks waiting in a send or recv whose peer waits in another operation, not in the matching
-    recv or send to them: {waiting rank: its peer} (the peer is the rank that never arrives).
-
-    A peer outside any operation is left to ``_missing_ranks``, which says where it is.
-    """
-    unanswered = {}
-    for pos in positions.values():
-        op = pos.op
-        if pos.state != "in-collective" or op is None or not op.p2p or op.peer not in positions:
-            continue
-        peer = positions[op.peer]
-        answers = peer.op is not None and peer.op.p2p and peer.op.peer == pos.rank
-        if peer.state == "in-collective" and not answers:
-            unanswered[pos.rank] = op.peer
-    return unanswered
+    recv or send to them: {waiting rank: its peer} (the peer is the rank that never arrives)."""
+    return {pos.rank: peer.rank for pos, peer in _p2p_waits(positions) if not _facing(pos, peer)}
 
 
 def _missing_ranks(positions: dict[int, Position]) -> list[int]:

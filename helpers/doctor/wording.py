@@ -237,8 +237,7 @@ def p2p_summary(unanswered: dict[int, int], positions: dict[int, Position]) -> s
     parts = []
     for rank, peer in sorted(unanswered.items()):
         pos, other = positions[rank], positions[peer]
-        receiving = "recv" in canonical_op(pos.op.op)
-        verb, match = ("receive from", "send to") if receiving else ("send to", "recv from")
+        verb, match = ("receive from", "send to") if receives(pos.op) else ("send to", "recv from")
         parts.append(f"Rank {rank} waits to {verb} rank {peer} ({_op_name(pos.op)}{_at(pos)}), but rank "
                      f"{peer} is in {_op_name(other.op)}{_at(other)}, with no {match} rank {rank}")
     return "; ".join(parts) + ". Every send needs the matching recv on its peer, in the same order."
