@@ -222,6 +222,31 @@ def test_queued_records_are_written_in_order_without_a_helper_thread(tmp_path):
     assert records[0]["op"] == "barrier" and records[0]["seq"] is None  # no group: no number
 
 
+def test_a_loop_written_in_one_batch_keeps_each_calls_shapes_and_mode(tmp_path):
+    """The writer reuses an op's texts for the next call when it is the same call (a loop): calls
+    that differ in their tensor or mode, queued together, each keep their own."""
+    import torch
+    import torch.distributed as dist
+
+    from helpers.trace.tracer import Tracer, _Plan
+
+    tracer = Tracer(tmp_path, 0)  # no helper thread: the queue is written when flushed
+    plan = _Plan("all_reduce", dist.all_reduce)
+    small, large = torch.ones(2), torch.ones(3, 4)
+    calls = [(small, False), (small, False), (large, False), (large, True), (small, False)]
+    try:
+        for _ in range(3):
+            for tensor, async_op in calls:
+                _call_traced(tracer, "all_reduce", plan, tensor, None, None, async_op)
+        tracer.flush()
+        records = [json.loads(line) for line in (tmp_path / "trace-0.jsonl").read_text().splitlines()]
+    finally:
+        os.close(tracer.fd)
+    ops = [(r["shapes"], r.get("async", False)) for r in records if r["ev"] == "op"]
+    assert ops == [([list(tensor.shape)], async_op) for tensor, async_op in calls] * 3
+    assert len({r["id"] for r in records if r["ev"] == "op"}) == 3 * len(calls)
+
+
 def _exits_at_once():
     import torch.distributed as dist
 
