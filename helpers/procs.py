@@ -23,6 +23,7 @@ from helpers import params
 
 KILL_GRACE_S = 2.0
 _PR_SET_PDEATHSIG = 1
+_PR_SET_PTRACER = 0x59616D61  # Yama's prctl ('Yama')
 
 
 def set_parent_death_signal(parent_pid: int, sig: int = signal.SIGKILL) -> None:
@@ -38,6 +39,18 @@ def set_parent_death_signal(parent_pid: int, sig: int = signal.SIGKILL) -> None:
         return
     if os.getppid() != parent_pid:
         os._exit(1)
+
+
+def allow_ptrace_by(pid: int) -> None:
+    """Let process ``pid`` and its descendants read this process with ptrace (py-spy), where
+    Yama's ``kernel.yama.ptrace_scope`` is 1 (Ubuntu's default), which otherwise allows only this
+    process's own ancestors. The launcher's (or torchrun agent's) descendants are the doctor's
+    py-spy and the job's other ranks, the same user's processes. Nothing where Yama is not loaded
+    (prctl fails) or forbids it (scope 2 or 3); root needs no leave."""
+    try:
+        ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PTRACER, int(pid), 0, 0, 0)
+    except (OSError, AttributeError):
+        pass
 
 
 def death_signal_preexec() -> Callable[[], Any] | None:

@@ -323,6 +323,45 @@ def test_a_rank_late_by_less_than_stall_s_is_ok(leftovers):
     leftovers.check()
 
 
+def _native_sleep_on_rank_one():
+    import ctypes
+
+    import torch
+    import torch.distributed as dist
+
+    tensor = torch.ones(4)
+    dist.all_reduce(tensor)
+    if dist.get_rank() == 1:  # PyDLL keeps the GIL: the helper thread cannot answer
+        ctypes.PyDLL(None).sleep(3600)  # line: native
+    dist.all_reduce(tensor)
+    return "went on"
+
+
+@pytest.mark.parametrize("reader", ["py-spy", "signal"])
+def test_a_rank_in_native_code_holding_the_gil_is_read_from_outside_not_woken(reader, monkeypatch, leftovers):
+    """py-spy reads a rank whose helper thread cannot answer, leaving it in its call. Where py-spy
+    cannot (no ptrace rights; here its time is cut to nothing), faulthandler's signal ends the
+    native sleep early and the ranks finish: the run is then ok, with a note, never 'hang (ok)'."""
+    from helpers.doctor import watcher
+
+    if reader == "signal":
+        monkeypatch.setattr(watcher, "PY_SPY_S", 0.0)
+    found = doctor.run_function(_native_sleep_on_rank_one, num_processes=2, stall_s=1.5, timeout_s=60)
+    read = any("read with py-spy" in note for note in found.notes)
+    if reader == "py-spy" and not read and os.geteuid() != 0:  # root may always
+        pytest.skip("py-spy may not read the ranks here (ptrace rights)")
+    if reader == "py-spy":
+        assert (found.verdict, found.kind, found.ranks) == ("hang", "rank-missing", [1]), found.text()
+        assert found.per_rank[1].location == f"{HERE}:{_line('native')}"
+        assert found.per_rank[0].state == "in-collective"
+    else:
+        assert not read
+        assert (found.verdict, found.kind) == ("ok", "ok"), found.text()
+        assert found.results == ["went on", "went on"]
+        assert any("went on and finished while their stacks were gathered" in note for note in found.notes)
+    leftovers.check()
+
+
 def _raise_on_rank_one():
     import torch.distributed as dist
 

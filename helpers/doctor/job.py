@@ -46,7 +46,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, NoReturn
 
-from helpers import redact, report, rundir, trace
+from helpers import procs, redact, report, rundir, trace
 from helpers.doctor.board import SILENT_S, Board, Seen
 from helpers.doctor.diagnosis import EXIT_CODES, Diagnosis
 from helpers.doctor.leader import (
@@ -107,6 +107,7 @@ def run_rank(job: JobEnv, options: JobOptions, command: list[str]) -> NoReturn:
     from helpers.launch.rank import run_as_main
 
     parent = os.getppid()
+    procs.allow_ptrace_by(parent)  # the agent's descendants: the leader's py-spy reads a silent rank
     if options.keep_dir is not None:
         options.keep_dir.mkdir(parents=True, exist_ok=True)
         rundir.clear_rank_record(options.keep_dir, job.rank)

@@ -90,25 +90,12 @@ def should_diagnose(beats: dict[int, Seen], world: int, stall_s: float,
 def py_spy_stacks(ranks: list[int], beats: dict[int, Seen], machine: str) -> dict[int, list[dict[str, Any]]]:
     """The stacks of this machine's ranks that did not answer, read with py-spy in parallel (their
     Python cannot run, but py-spy reads its memory); none where py-spy may not (ptrace rights)."""
-    from concurrent.futures import ThreadPoolExecutor
-
     from helpers.doctor import pyspy
 
     local = {rank: beats[rank].beat["pid"] for rank in ranks if rank in beats
              and beats[rank].beat.get("machine") == machine and isinstance(beats[rank].beat.get("pid"), int)
              and still_runs(beats[rank].beat)}
-
-    def read(pid: int) -> list[dict[str, Any]] | None:
-        try:
-            return [f for f in pyspy.dump_stack(pid, timeout_s=PY_SPY_S) if not f["native"]]
-        except (ValueError, OSError):  # AttachError (no ptrace rights, no py-spy) included
-            return None
-
-    if not local:
-        return {}
-    with ThreadPoolExecutor(max_workers=min(8, len(local))) as pool:
-        found = dict(zip(local, pool.map(read, local.values()), strict=True))
-    return {rank: frames for rank, frames in found.items() if frames is not None}
+    return pyspy.read_stacks(local, timeout_s=PY_SPY_S)
 
 
 def diagnose_answers(world: int, reason: str, since_s: float, answers: dict[int, dict[str, Any]],

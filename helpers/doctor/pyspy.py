@@ -243,6 +243,32 @@ def dump_stack(pid: int, native: bool = False, timeout_s: float = PY_SPY_TIMEOUT
     return [_frame(f, script) for f in raw]
 
 
+def read_stacks(pids: dict[int, int], timeout_s: float = PY_SPY_TIMEOUT_S) -> dict[int, list[dict[str, Any]]]:
+    """The Python frames of several processes' main threads (``{key: pid}``, outermost first), read
+    by py-spy in parallel; a process it could not read (no ptrace rights, ended, no py-spy) is left
+    out. Nothing is sent to the processes: each is paused for the milliseconds of its read."""
+    def read(pid: int) -> list[dict[str, Any]] | None:
+        try:
+            return [frame for frame in dump_stack(pid, timeout_s=timeout_s) if not frame["native"]]
+        except (ValueError, OSError):  # AttachError (no ptrace rights, no py-spy) included
+            return None
+
+    if not pids:
+        return {}
+    with ThreadPoolExecutor(max_workers=min(8, len(pids))) as pool:
+        found = dict(zip(pids, pool.map(read, pids.values()), strict=True))
+    return {key: frames for key, frames in found.items() if frames is not None}
+
+
+def faulthandler_text(frames: list[dict[str, Any]]) -> str:
+    """Frames (outermost first) as faulthandler writes a stack, so that the doctor reads them as it
+    reads a dump (``helpers.doctor.source.faulthandler_stack``), headed by where they came from."""
+    lines = ["# read by py-spy: the rank's helper thread did not answer", "Stack (most recent call first):"]
+    lines += [f'  File "{frame["file"]}", line {frame["line"]} in {frame["func"]}'
+              for frame in reversed(frames)]
+    return "\n".join(lines) + "\n"
+
+
 def _py_spy_problem(pid: int, text: str) -> str:
     lowered = text.lower()
     if "permission denied" in lowered or "operation not permitted" in lowered:

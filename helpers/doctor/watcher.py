@@ -25,6 +25,7 @@ from helpers.launch import LaunchError, LaunchTimeout, RankError, RankExited, Ru
 
 DEFAULT_STALL_S = 30.0
 EVIDENCE_WAIT_S = 2.0
+PY_SPY_S = 2.0  # reading a rank whose helper thread did not answer
 
 
 # ---------------------------------------------------------------------------------------------
@@ -60,6 +61,8 @@ class Doctor(Watcher):
         self.diagnosis: Diagnosis | None = None
         self.requests = 0
         self.started = time.time()
+        self.read_by_py_spy: set[int] = set()  # ranks whose stack py-spy read (their helper was silent)
+        self.passed: list[str] = []  # stalls that ended on their own while the evidence was gathered
 
     # -- Watcher protocol -------------------------------------------------------------------
 
@@ -81,6 +84,7 @@ class Doctor(Watcher):
         self._gather(run)
         diagnosis = diagnose(self.views, run.num_processes, reason, _since(noticed), self.stacks_of(run))
         diagnosis.evidence.started = self.started
+        diagnosis.notes.extend(self._read_notes())
         self._conclude(run, diagnosis)
         culprit = _culprit_error(run, diagnosis, error)
         _attach(culprit, diagnosis)
@@ -92,6 +96,7 @@ class Doctor(Watcher):
         self._read_states(run, "final")
         diagnosis = diagnose(self.views, run.num_processes, "finished", None, {})
         diagnosis.evidence.started = self.started
+        diagnosis.notes.extend(self.passed)
         self._conclude(run, diagnosis)
         if diagnosis.verdict == "mismatch":
             error = MismatchDetected(diagnosis.text())
@@ -126,7 +131,7 @@ class Doctor(Watcher):
         self._refresh(run)
         self.requests += 1
         tag = str(self.requests)
-        stacks = run.request_stacks()  # first: answered at once, before the slower state dumps
+        stacks = run.request_stacks(self._read_silent)  # first: answered at once, before the state dumps
         asked = [rank for rank in run.live_ranks() if trace.ask(run.run_dir, rank, tag)]
         end = time.monotonic() + EVIDENCE_WAIT_S
         for rank, text in stacks.items():
@@ -142,6 +147,19 @@ class Doctor(Watcher):
             time.sleep(0.02)
         self._refresh(run)
         self._read_states(run, None)  # what each rank wrote last (an unasked "auto" state included)
+
+    def _read_silent(self, pids: dict[int, int]) -> dict[int, str]:
+        """The stacks of ranks whose helper thread did not answer, read with py-spy from outside:
+        a signal would end the native call such a rank is in (a ``sleep()``) and change the run."""
+        from helpers.doctor import pyspy
+
+        read = {rank: frames for rank, frames in pyspy.read_stacks(pids, PY_SPY_S).items() if frames}
+        self.read_by_py_spy.update(read)
+        return {rank: pyspy.faulthandler_text(frames) for rank, frames in read.items()}
+
+    def _read_notes(self) -> list[str]:
+        return [f"rank {rank}'s helper thread did not answer (native code holding the GIL, or a "
+                "starved machine): its stack was read with py-spy" for rank in sorted(self.read_by_py_spy)]
 
     def stacks_of(self, run: Run) -> dict[int, str]:
         """The faulthandler stacks gathered so far, by rank."""
@@ -176,6 +194,11 @@ class Doctor(Watcher):
         since = stall_start if stall_start is not None else now
         diagnosis = diagnose(self.views, run.num_processes, reason, _since(since), self.stacks_of(run))
         diagnosis.evidence.started, diagnosis.evidence.stall_start = self.started, stall_start
+        if diagnosis.kind == "ok":  # every rank finished meanwhile: a late rank, not a hang
+            self.passed.append(f"progress stopped for {_since(since):.1f} s ({reason}), then every rank "
+                               "went on and finished while their stacks were gathered")
+            return
+        diagnosis.notes.extend(self._read_notes())
         self._conclude(run, diagnosis)
         error = HangDetected(diagnosis.text(), self.stacks_of(run))
         _attach(error, diagnosis)

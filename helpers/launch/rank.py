@@ -117,6 +117,7 @@ def rank_main(spec: RankSpec, fn: Callable[..., Any], args: tuple, kwargs: dict)
     signal.signal(signal.SIGTERM, signal.SIG_DFL)
     signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})  # held by the launcher across the fork
     procs.set_parent_death_signal(spec.parent_pid)
+    procs.allow_ptrace_by(spec.parent_pid)  # the doctor's py-spy, when this rank cannot answer
     rundir.pid_marker(spec.run_dir, os.getpid()).touch()
     stack_handle = install_stack_dump(rundir.stack_path(spec.run_dir, spec.rank), not spec.trace)
     os.environ.update(rank_environment(spec))
@@ -164,6 +165,7 @@ def run_command_rank(argv: list[str], traced: bool) -> NoReturn:
     stack_handle = install_stack_dump(rundir.stack_path(run_dir, rank), all_threads=not traced)
     if os.environ.get(rundir.ENV_PARENT):  # under helpers.launch
         procs.set_parent_death_signal(int(os.environ[rundir.ENV_PARENT]))
+        procs.allow_ptrace_by(int(os.environ[rundir.ENV_PARENT]))
     else:  # under torchrun, which stops ranks with SIGTERM: leave their stacks for a post-mortem
         # only the thread the signal interrupts (the main one): walking the others' stacks from a
         # signal handler can segfault while the helper thread runs Python (see trace.dump_stacks)

@@ -35,6 +35,9 @@ STACK_WAIT_S = 2.0
 HELPER_STACK_WAIT_S = 2.0  # a traced rank's helper thread answers in milliseconds unless starved
 
 
+SilentReader = Callable[[dict[int, int]], dict[int, str]]  # {rank: pid} -> {rank: stack text} it read
+
+
 class RankProcess(Protocol):
     """One rank's process as the watch loop sees it: a forked ``multiprocessing.Process`` or a
     started command (``CommandProcess``)."""
@@ -69,20 +72,28 @@ class Run:
         """Where rank ``rank`` appends its Python stacks."""
         return rundir.stack_path(self.run_dir, rank)
 
-    def request_stacks(self) -> dict[int, str]:
+    def request_stacks(self, read_silent: SilentReader | None = None) -> dict[int, str]:
         """Ask every live rank for all its threads' Python stacks; return them by rank.
 
         A traced rank's helper thread writes them itself, holding the GIL. Other ranks, and those
         whose helper has not answered within ``HELPER_STACK_WAIT_S`` (code stuck in C holding the
-        GIL, or a starved machine), get ``STACK_SIGNAL``: faulthandler run from a signal handler
-        can crash a process while another of its threads runs Python (cpython#116008), so it is
-        the fallback, and in traced ranks it dumps only the interrupted (main) thread.
+        GIL, or a starved machine), are read by ``read_silent`` when given (the doctor's: py-spy,
+        from outside the process), and the rest get ``STACK_SIGNAL``. The signal is the last
+        resort: it interrupts the system call a rank is in (a native ``sleep()`` returns early, and
+        the rank runs on), and faulthandler run from a signal handler can crash a process while
+        another of its threads runs Python (cpython#116008); in traced ranks it dumps only the
+        interrupted (main) thread. What ``read_silent`` read is appended to the rank's stack file.
         """
         ranks = self.live_ranks()
         sizes = {rank: _size(self.stack_file(rank)) for rank in ranks}
         asked = [rank for rank in ranks if trace.ask(self.run_dir, rank, trace.STACKS_REQUEST)]
         _wait_for_growth(self, {rank: sizes[rank] for rank in asked}, HELPER_STACK_WAIT_S)
         silent = {rank: sizes[rank] for rank in ranks if _size(self.stack_file(rank)) == sizes[rank]}
+        pids = {rank: self.processes[rank].pid for rank in silent if self.processes[rank].pid}
+        for rank, text in (read_silent(pids) if read_silent is not None and pids else {}).items():
+            with open(self.stack_file(rank), "a") as handle:
+                handle.write(text)
+            silent.pop(rank, None)
         for rank in silent:
             procs.send_signal(self.processes[rank].pid, STACK_SIGNAL)
         _wait_for_growth(self, silent, STACK_WAIT_S)
