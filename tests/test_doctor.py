@@ -323,6 +323,27 @@ def test_a_rank_late_by_less_than_stall_s_is_ok(leftovers):
     leftovers.check()
 
 
+def _barrier_on_rank_zero_only():
+    import torch
+    import torch.distributed as dist
+
+    dist.all_reduce(torch.ones(2))
+    if dist.get_rank() == 0:
+        dist.barrier()  # line: extra
+
+
+def test_a_collective_only_rank_zero_calls_is_its_extra_call_not_the_others_early_end(leftovers):
+    # the others finish cleanly after the common all_reduce; the barrier is under `if rank == 0`
+    found = doctor.run_function(_barrier_on_rank_zero_only, num_processes=3, stall_s=2.0, timeout_s=60)
+    assert (found.kind, found.ranks) == ("collective-mismatch", [0]), found.text()
+    assert found.per_rank[0].location == f"{HERE}:{_line('extra')}"
+    assert found.summary.startswith(f"Rank 0 called barrier at {HERE}:{_line('extra')} (collective #2) inside "
+                                    "a rank-dependent branch; ranks 1 and 2 never call it: they finished "
+                                    "their work after collective #1."), found.summary
+    assert "out of rank-dependent branches" in found.fix
+    leftovers.check()
+
+
 def _native_sleep_on_rank_one():
     import ctypes
 

@@ -383,6 +383,9 @@ def _classify(positions: dict[int, Position], histories: dict[int, dict], views:
     if divergence is not None:
         return _divergence_kind(divergence, positions, histories)
     exited = _exited_culprits(positions)
+    extra = _extra_collectives(positions, exited)
+    if extra:
+        return "collective-mismatch", extra, wording.extra_collective_summary(extra, positions)
     if exited:
         return "rank-exited", exited, wording.exited_summary(exited, positions)
     crossed = _crossed_p2p(positions)
@@ -505,6 +508,22 @@ def _exited_culprits(positions: dict[int, Position]) -> list[int]:
     # or SIGABRT when the peer's sockets close) is that death's echo, not a second cause.
     outside = [r for r in culprits if positions[r].state != "exited" or positions[r].op is None]
     return sorted(outside or culprits or _own_errors(positions))
+
+
+def _extra_collectives(positions: dict[int, Position], exited: list[int]) -> list[int]:
+    """Ranks that called a collective inside a rank-dependent branch (``if rank == 0:``) after every
+    other rank finished its work cleanly: the call is theirs alone, the others did not end early.
+
+    Such a rank waits in the collective, or has failed in it as the others closed their
+    connections. Sends and receives are left out: a rank-dependent branch is where they belong.
+    """
+    calling = [p for p in positions.values() if p.rank not in exited]
+    if not exited or any(positions[rank].state != "finished" for rank in exited):
+        return []
+    if not calling or any(p.op is None or p.op.p2p or not (p.state == "in-collective" or p.victim)
+                          or not rank_conditional(p.file or p.op.file, p.line or p.op.line) for p in calling):
+        return []
+    return sorted(p.rank for p in calling)
 
 
 def _own_errors(positions: dict[int, Position]) -> list[int]:

@@ -171,14 +171,16 @@ def root_summary(key: tuple[str, int], present: dict[int, Op], culprits: list[in
 
 def exited_summary(culprits: list[int], positions: dict[int, Position]) -> str:
     """How each culprit rank ended, and who still needed it."""
-    sentences = []
     needing = [p for p in positions.values()
                if (p.state == "in-collective" or p.victim) and p.rank not in culprits]
+    finished = [rank for rank in culprits if positions[rank].state == "finished"]
+    its = "its" if len(finished) == 1 else "their"
+    sentences = [f"{ranks_text(finished)} finished {its} work"] if finished else []
     for rank in culprits:
         pos = positions[rank]
         if pos.state == "finished":
-            how = "finished its work"
-        elif pos.detail.startswith("raised"):
+            continue
+        if pos.detail.startswith("raised"):
             how = pos.detail + _at(pos)
         else:
             how = f"was {pos.detail}" if pos.detail.startswith("killed") else f"ended ({pos.detail})"
@@ -187,8 +189,27 @@ def exited_summary(culprits: list[int], positions: dict[int, Position]) -> str:
     text = "; ".join(sentences)
     if needing:
         waits = ", ".join(f"rank {p.rank} in {_op_name(p.op)}{_at(p)}" for p in needing)
-        text += f" while other ranks still needed it ({waits})"
+        text += f" while other ranks still needed {'it' if len(culprits) == 1 else 'them'} ({waits})"
     return text + "."
+
+
+def extra_collective_summary(extra: list[int], positions: dict[int, Position]) -> str:
+    """Ranks that called a collective in a rank-dependent branch the others finished without."""
+    calls, failures = [], []
+    for rank in extra:
+        pos = positions[rank]
+        seq = f" (collective #{pos.seq})" if pos.seq is not None else ""
+        calls.append(f"rank {rank} called {_op_name(pos.op)}{_at(pos)}{seq}")
+        if pos.state == "exited" and pos.op.error:
+            failures.append(f"Rank {rank} then failed in it as they left: {short_error(pos.op.error)}")
+    others = sorted(rank for rank in positions if rank not in extra)
+    one = len(others) == 1
+    last = max((positions[rank].seq or 0 for rank in others), default=0)
+    text = "; ".join(calls)
+    text = (text[0].upper() + text[1:] + f" inside a rank-dependent branch; {ranks_text(others).lower()} "
+            f"never call{'s' if one else ''} it: {'it' if one else 'they'} finished "
+            f"{'its' if one else 'their'} work{f' after collective #{last}' if last else ''}.")
+    return " ".join([text, *failures])
 
 
 def missing_summary(missing: list[int], positions: dict[int, Position]) -> str:
