@@ -24,7 +24,7 @@ OPS: dict[str, tuple[tuple[int, str] | None, tuple[int, str] | None]] = {
     "all_gather_object": (None, None),
     "all_gather_coalesced": (None, None),
     "all_reduce_coalesced": (None, None),
-    "broadcast_object_list": (None, None),
+    "broadcast_object_list": ((0, "object_list"), None),
     "reduce_scatter": ((0, "output"), None),
     "reduce_scatter_tensor": ((1, "input"), None),
     "reduce_scatter_single": ((1, "input"), None),
@@ -41,8 +41,8 @@ OPS: dict[str, tuple[tuple[int, str] | None, tuple[int, str] | None]] = {
     "recv": ((0, "tensor"), (1, "src")),
     "isend": ((0, "tensor"), (1, "dst")),
     "irecv": ((0, "tensor"), (1, "src")),
-    "send_object_list": (None, (1, "dst")),
-    "recv_object_list": (None, (1, "src")),
+    "send_object_list": ((0, "object_list"), (1, "dst")),
+    "recv_object_list": ((0, "object_list"), (1, "src")),
     "batch_isend_irecv": (None, None),
 }
 P2P_OPS = frozenset({"send", "recv", "isend", "irecv", "send_object_list", "recv_object_list",
@@ -73,7 +73,11 @@ ALIASES = {
 }
 # collectives whose compared tensors must have the same shape and dtype on every rank
 SHAPE_CHECKED = frozenset({"all_reduce", "broadcast", "reduce", "all_gather", "all_gather_into_tensor",
-                           "reduce_scatter_tensor", "barrier"})
+                           "reduce_scatter_tensor", "barrier", "broadcast_object_list"})
+# Ops whose compared argument is a list of Python objects: recorded by its length, as shape [n] of
+# dtype "object". torch sends a tensor of the objects' byte sizes, one per item, so the ranks' lists
+# must be as long (gloo aborts the process on a broadcast of sizes that differ).
+OBJECT_LISTS = frozenset({"broadcast_object_list", "send_object_list", "recv_object_list"})
 # the Flight Recorder's dtype names -> torch's
 FR_DTYPES = {"Float": "float32", "Double": "float64", "Half": "float16", "BFloat16": "bfloat16",
              "Long": "int64", "Int": "int32", "Short": "int16", "Char": "int8", "Byte": "uint8",

@@ -337,10 +337,32 @@ def test_a_collective_only_rank_zero_calls_is_its_extra_call_not_the_others_earl
     found = doctor.run_function(_barrier_on_rank_zero_only, num_processes=3, stall_s=2.0, timeout_s=60)
     assert (found.kind, found.ranks) == ("collective-mismatch", [0]), found.text()
     assert found.per_rank[0].location == f"{HERE}:{_line('extra')}"
-    assert found.summary.startswith(f"Rank 0 called barrier at {HERE}:{_line('extra')} (collective #2) inside "
-                                    "a rank-dependent branch; ranks 1 and 2 never call it: they finished "
-                                    "their work after collective #1."), found.summary
+    extra = f"{HERE}:{_line('extra')}"
+    assert found.summary.startswith(f"Rank 0 called barrier at {extra} (collective #2) inside a "
+                                    "rank-dependent branch; ranks 1 and 2 never call it: they finished their "
+                                    "work after collective #1."), found.summary
     assert "out of rank-dependent branches" in found.fix
+    leftovers.check()
+
+
+def _object_lists_of_other_lengths():
+    import torch.distributed as dist
+
+    objects = [{"lr": 0.1}, {"seed": 1}, {"steps": 10}] if dist.get_rank() == 0 else [None]  # [None] * 3
+    dist.broadcast_object_list(objects, src=0)  # line: objects
+    return objects
+
+
+def test_an_object_list_broadcast_with_lists_of_other_lengths_names_the_ranks_unlike_the_source(leftovers):
+    # torch broadcasts the objects' sizes, one per item: gloo aborts ranks whose sizes differ
+    found = doctor.run_function(_object_lists_of_other_lengths, num_processes=3, stall_s=2.0, timeout_s=60)
+    assert (found.kind, found.ranks) == ("shape-mismatch", [1, 2]), found.text()
+    site = f"{HERE}:{_line('objects')}"
+    assert found.summary == (f"Ranks called broadcast_object_list at {site} (collective #1) with lists of "
+                             "different lengths: rank 0 a list of 3; rank 1 a list of 1; rank 2 a list of 1. "
+                             "Ranks 1 and 2 differ from the source, rank 0.")
+    assert found.fix.startswith(wording.OBJECT_LIST_CURE)
+    assert [entry.shapes for entry in found.per_rank] == [[[3]], [[1]], [[1]]]
     leftovers.check()
 
 

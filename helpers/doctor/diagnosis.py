@@ -17,6 +17,7 @@ from dataclasses import dataclass, field, fields, replace
 from typing import Any
 
 from helpers import report
+from helpers.collectives import OBJECT_LISTS, canonical_op
 from helpers.doctor import wording
 from helpers.doctor.records import Evidence, Op, Position, RankView, fr_op
 from helpers.doctor.source import faulthandler_stack, rank_conditional, source_line
@@ -465,8 +466,13 @@ def _divergence_kind(divergence, positions, histories):
 
 
 def _odd_ones_out(groups: dict[tuple, list[int]], present: dict[int, Op], histories, key) -> list[int]:
-    """Which ranks diverged: rank-conditional code first, then a strict majority, then history."""
+    """Which ranks diverged: those whose list differs from the source rank's in an object-list
+    broadcast (the source's objects are the ones sent), then rank-conditional code, then a strict
+    majority, then history."""
     everyone = sorted(present)
+    root = _common_root(present)
+    if root in present and all(canonical_op(op.op) in OBJECT_LISTS for op in present.values()):
+        return [r for r in everyone if present[r].signature() != present[root].signature()]
     conditional = [r for r in everyone if rank_conditional(present[r].file, present[r].line)]
     if conditional and len(conditional) < len(everyone):
         return conditional
@@ -477,6 +483,11 @@ def _odd_ones_out(groups: dict[tuple, list[int]], present: dict[int, Op], histor
     if novel and len(novel) < len(everyone):
         return novel
     return everyone
+
+
+def _common_root(present: dict[int, Op]) -> int | None:
+    roots = {op.root for op in present.values()}
+    return roots.pop() if len(roots) == 1 else None
 
 
 def _seen_elsewhere(rank: int, op: Op, histories, key) -> bool:

@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import Any
 
 from helpers import params
-from helpers.collectives import ROOTS, canonical_op
+from helpers.collectives import OBJECT_LISTS, ROOTS, canonical_op
 from helpers.doctor.records import Op, Position
 from helpers.doctor.source import enclosing_loop, source_line
 
@@ -63,6 +63,10 @@ CROSSED_P2P_CURE = (
     "Order each pair's send and recv oppositely (the lower rank sends first and the higher receives "
     "first), or post both with dist.isend / dist.irecv (or dist.batch_isend_irecv) and then wait on them.")
 
+OBJECT_LIST_CURE = (
+    "Pass the object-list collective a list of the same length on every rank: the objects on the "
+    "source rank, placeholders of the same count elsewhere (object_list = [None] * n).")
+
 
 def fix(kind: str, culprits: list[Position]) -> str:
     """What to do: the kind's fix, after the cure for a culprit's known error when there is one (and
@@ -72,7 +76,19 @@ def fix(kind: str, culprits: list[Position]) -> str:
     crossed = culprits and all(pos.op is not None and pos.op.p2p for pos in culprits)
     if kind == "collective-mismatch" and crossed:
         known.append(CROSSED_P2P_CURE)
+    if kind == "shape-mismatch" and any(_object_list(pos.op) for pos in culprits):
+        known.append(OBJECT_LIST_CURE)
     return " ".join([*known, FIXES[kind]])
+
+
+def _object_list(op: Op | None) -> bool:
+    """Is it an op on a list of objects, recorded by its length (``collectives.OBJECT_LISTS``)?"""
+    return op is not None and canonical_op(op.op) in OBJECT_LISTS and op.dtypes == ["object"]
+
+
+def _items(shapes: list | None) -> str:
+    count = shapes[0][0] if shapes and shapes[0] else None
+    return "a list of unknown length" if count is None else f"a list of {count}"
 
 
 def shapes_text(shapes: list | None) -> str | None:
@@ -129,12 +145,18 @@ def divergence_summary(kind: str, key: tuple[str, int], present: dict[int, Op], 
     seq = key[1]
     if kind == "shape-mismatch":
         op = next(iter(present.values()))
-        parts = [f"rank {r} {shapes_text(o.shapes)} {','.join(o.dtypes or [])}".strip()
-                 for r, o in sorted(present.items())]
         site = next((o.where for o in present.values() if o.where), None)
         where = f" at {site}" if site else ""
-        odd = (f"{ranks_text(culprits)} differ{'s' if len(culprits) == 1 else ''} from the others."
-               if len(culprits) < len(present) else "Every rank must pass the same shape and dtype.")
+        odd = (f"{ranks_text(culprits)} differ{'s' if len(culprits) == 1 else ''} from "
+               f"{f'the source, rank {op.root}' if _object_list(op) else 'the others'}."
+               if len(culprits) < len(present)
+               else "Every rank must pass the same shape and dtype.")
+        if _object_list(op):
+            parts = [f"rank {r} {_items(o.shapes)}" for r, o in sorted(present.items())]
+            return (f"Ranks called {_op_name(op)}{where} (collective #{seq}) with lists of different "
+                    "lengths: " + "; ".join(parts) + ". " + odd)
+        parts = [f"rank {r} {shapes_text(o.shapes)} {','.join(o.dtypes or [])}".strip()
+                 for r, o in sorted(present.items())]
         return (f"Ranks called {_op_name(op)}{where} (collective #{seq}) with different shapes or dtypes: "
                 + "; ".join(parts) + ". " + odd)
     if seq < 0:  # stacks alone: the collective each rank waits in now

@@ -56,7 +56,7 @@ OP_CODE: dict[str, str] = {
                   "[tensor.clone() for _ in range(world)])",
     "barrier": "dist.barrier()",
     "all_gather_object": "dist.all_gather_object([None] * world, rank)",
-    "broadcast_object_list": "dist.broadcast_object_list([rank], src=0)",
+    "broadcast_object_list": "dist.broadcast_object_list([rank] * tensor.numel(), src=0)",  # its length
     "gather_object": "dist.gather_object(rank, [None] * world if rank == 0 else None)",
     "scatter_object_list": "dist.scatter_object_list([None], list(range(world)) if rank == 0 else None)",
     "send": "dist.send(tensor, dst=peer)",
@@ -340,6 +340,8 @@ def _step(op: Any) -> Step:
     name = canonical_op(name)
     shapes = [list(shape) for shape in (op.shapes or []) if isinstance(shape, list | tuple)]
     dtype = (op.dtypes or ["float32"])[0] or "float32"
+    if dtype == "object":  # a list of objects, recorded as shape [its length]: a tensor that long
+        dtype = "float32"
     origin = op.where or ("from C++ (DDP, for instance)" if op.source == "flight-recorder" else "")
     note = ""
     if name not in OP_CODE:

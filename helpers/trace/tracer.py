@@ -41,7 +41,7 @@ from pathlib import Path
 from typing import Any
 
 from helpers import rundir
-from helpers.collectives import ASYNC_OPS, MULTI_OPS, OPS, P2P_OPS, ROOTS
+from helpers.collectives import ASYNC_OPS, MULTI_OPS, OBJECT_LISTS, OPS, P2P_OPS, ROOTS
 from helpers.trace.callsites import site_json, user_files, user_frame
 
 FLUSH_S = 0.05  # the helper thread writes the queued records this often
@@ -354,8 +354,8 @@ def _op_texts(plan: _Plan, group: Any, blocking: bool, tensors: Any, peer: Any, 
 
 def _shapes_key(value: Any) -> Any:
     """What a record says of the compared argument, as a dict key: each tensor's shape and dtype."""
-    if isinstance(value, (list, tuple)):
-        return tuple((v.shape, v.dtype) for v in value if hasattr(v, "shape"))
+    if isinstance(value, (list, tuple)):  # its length too: a list of objects is described by it
+        return (len(value), *((v.shape, v.dtype) for v in value if hasattr(v, "shape")))
     shape = getattr(value, "shape", None)
     return None if shape is None else (shape, getattr(value, "dtype", None))
 
@@ -505,6 +505,7 @@ class _Plan:
         self.p2p = name in P2P_OPS
         self.always_async = name in ASYNC_OPS  # returns a work to wait on, with no async_op to say so
         self.multi = name in MULTI_OPS
+        self.objects = name in OBJECT_LISTS  # its compared argument is a list of objects: its length
         self.seen: set[tuple] = set()  # (group, code, offset, nbytes) of the calls made
 
     def remember(self, signature: tuple) -> None:
@@ -525,7 +526,7 @@ class _Plan:
         """The call's record fields after the sequence number, as JSON text: p2p flag, shapes,
         dtypes, peer (a rooted collective's root) and async flag."""
         fields = ',"p2p":true' if self.p2p else ""
-        fields += _tensors_json(tensors)
+        fields += _objects_json(tensors) if self.objects else _tensors_json(tensors)
         if self.has_peer:
             fields += f',"{self.peer_field}":{json.dumps(_integer(peer))}'
         if not blocking:
@@ -550,6 +551,13 @@ def _sequence(group: Any) -> int | None:
 
 
 _SEEN_KEPT = 4096  # call signatures kept per op (``_Plan.remember``)
+
+
+def _objects_json(value: Any) -> str:
+    """``,"shapes":[[n]],"dtypes":["object"]`` for a list of n objects ("" for anything else)."""
+    if not isinstance(value, (list, tuple)):
+        return ""
+    return f',"shapes":[[{len(value)}]],"dtypes":["object"]'
 
 
 def _tensors_json(value: Any) -> str:
