@@ -394,7 +394,7 @@ def _wrap(name: str, original: Callable, plan: _Plan) -> Callable:
     The largest single piece is the sequence number: torch binds ``_get_sequence_number_for_group``
     with ``py::gil_scoped_release`` (torch/csrc/distributed/c10d/init.cpp), so each read lets go
     of the GIL and takes it back. Against a stand-in that returns a constant, in turns at 1 MiB
-    on 2 gloo ranks, it cost 0.005-0.017 of the call. It stays: the doctor matches the records
+    on 2 gloo ranks, it cost 0.004-0.017 of the call. It stays: the doctor matches the records
     with each other and with the Flight Recorder's entries by it, and counting calls here would
     miss the collectives torch issues from C++ (DDP's), which advance the same number.
     """
