@@ -396,6 +396,7 @@ def test_a_rank_in_native_code_holding_the_gil_is_read_from_outside_not_woken(re
     if reader == "py-spy":
         assert (found.verdict, found.kind, found.ranks) == ("hang", "rank-missing", [1]), found.text()
         assert found.per_rank[1].location == f"{HERE}:{_line('native')}"
+        assert f"rank 1 is in native code holding the GIL at {HERE}:{_line('native')}" in found.summary
         assert found.per_rank[0].state == "in-collective"
     else:
         assert not read

@@ -196,6 +196,7 @@ def test_a_rank_whose_python_stops_right_after_a_collective_is_placed_by_its_sta
     culprit = data["per_rank"][3]
     assert (culprit["state"], culprit["op"]) == ("outside-collective", None)
     assert culprit["location"] == _line("native-step")
+    assert f"rank 3 is in native code holding the GIL at {_line('native-step')}" in data["summary"]
     assert all(data["per_rank"][rank]["location"] == _line("steps") for rank in (0, 1, 2))
     leftovers.check()
 

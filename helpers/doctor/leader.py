@@ -122,7 +122,7 @@ def diagnose_answers(world: int, reason: str, since_s: float, answers: dict[int,
                 notes.append(f"rank {rank} ended without a word (no exception, no exit code): killed "
                              "by a signal, e.g. SIGKILL from the OOM killer; its agent's log has the signal")
             elif not seen.beat.get("exit") and rank in (stacks or {}):
-                view.state["stack"] = stacks[rank]
+                view.state["stack"], view.silent = stacks[rank], True
                 if not _in_torch_distributed(stacks[rank]):  # its last beat caught it in a call that returned
                     _returned_since_beat(view)
                 notes.append(f"rank {rank} did not answer in {EVIDENCE_WAIT_S:.0f} s (native code holding "

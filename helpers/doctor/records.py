@@ -81,6 +81,7 @@ class RankView:
     exit_code: int | None = None
     ended: bool = False
     stack_text: str = ""
+    silent: bool = False  # its helper thread did not answer: its stack came from py-spy
 
     def apply(self, event: dict[str, Any]) -> None:
         """Fold one trace record into the view."""

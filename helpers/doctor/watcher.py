@@ -147,6 +147,7 @@ class Doctor(Watcher):
             time.sleep(0.02)
         self._refresh(run)
         self._read_states(run, None)  # what each rank wrote last (an unasked "auto" state included)
+        self._mark_silent()
 
     def _read_silent(self, pids: dict[int, int]) -> dict[int, str]:
         """The stacks of ranks whose helper thread did not answer, read with py-spy from outside:
@@ -156,6 +157,11 @@ class Doctor(Watcher):
         read = {rank: frames for rank, frames in pyspy.read_stacks(pids, PY_SPY_S).items() if frames}
         self.read_by_py_spy.update(read)
         return {rank: pyspy.faulthandler_text(frames) for rank, frames in read.items()}
+
+    def _mark_silent(self) -> None:
+        for rank in self.read_by_py_spy:
+            if rank in self.views:
+                self.views[rank].silent = True
 
     def _read_notes(self) -> list[str]:
         return [f"rank {rank}'s helper thread did not answer (native code holding the GIL, or a "

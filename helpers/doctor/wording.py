@@ -115,8 +115,11 @@ def issued_by(stack: list[dict[str, Any]]) -> str:
     return "issued outside Python (no Python wrapper saw it)"
 
 
-def activity(rank: int, frame: dict[str, Any], stack: list[dict[str, Any]]) -> str:
-    """What a rank outside any collective is doing: 'in a loop at train.py:41', 'sleeping at ...'."""
+def activity(rank: int, frame: dict[str, Any], stack: list[dict[str, Any]], silent: bool = False) -> str:
+    """What a rank outside any collective is doing: 'in a loop at train.py:41', 'sleeping at ...';
+    ``silent``: its Python could not answer, so the call at its line holds the GIL in native code."""
+    if silent:
+        return f"in native code holding the GIL at {frame['where']}"
     innermost = stack[-1] if stack else frame
     sleeping = innermost.get("func") == "sleep" or "time.sleep" in source_line(frame)
     loop = enclosing_loop(frame.get("file"), frame.get("line"))
