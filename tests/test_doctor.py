@@ -366,6 +366,29 @@ def test_an_object_list_broadcast_with_lists_of_other_lengths_names_the_ranks_un
     leftovers.check()
 
 
+def _monitored_barrier_rank_two_misses():
+    import datetime
+
+    import torch.distributed as dist
+
+    if dist.get_rank() == 2:
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline:  # line: away
+            time.sleep(0.05)
+        return
+    dist.monitored_barrier(timeout=datetime.timedelta(seconds=1))
+
+
+def test_a_monitored_barrier_that_times_out_names_the_rank_that_never_came_not_the_ones_it_failed(leftovers):
+    # rank 0 raises "Rank 2 failed to pass monitoredBarrier", rank 1 "received errors ... from rank 0"
+    found = doctor.run_function(_monitored_barrier_rank_two_misses, num_processes=3, stall_s=10.0,
+                                timeout_s=60)
+    assert (found.kind, found.ranks) == ("rank-missing", [2]), found.text()
+    assert [entry.state for entry in found.per_rank[:2]] == ["exited", "exited"]
+    assert found.per_rank[2].location in (f"{HERE}:{_line('away')}", f"{HERE}:{_line('away') + 1}")
+    leftovers.check()
+
+
 def _native_sleep_on_rank_one():
     import ctypes
 

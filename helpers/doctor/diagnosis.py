@@ -271,7 +271,8 @@ def position(view: RankView) -> Position:
 
 
 _COMM_ERROR = re.compile(r"gloo|nccl|Connection (reset|closed|refused)|DistBackendError|ProcessGroup|"
-                         r"Timed out waiting|timed out|Socket Timeout|Broken pipe|(Read|Write) error",
+                         r"Timed out waiting|timed out|Socket Timeout|Broken pipe|(Read|Write) error|"
+                         r"monitoredBarrier",  # 'Rank 2 failed to pass monitoredBarrier in 2000 ms'
                          re.IGNORECASE)
 
 
