@@ -389,6 +389,23 @@ def test_a_monitored_barrier_that_times_out_names_the_rank_that_never_came_not_t
     leftovers.check()
 
 
+def _two_ranks_raise_alike():
+    import torch.distributed as dist
+
+    if dist.get_rank() != 0:
+        raise ValueError("no shard for this rank")  # line: alike
+    dist.barrier()
+
+
+def test_ranks_that_ended_alike_are_named_in_one_sentence(leftovers):
+    found = doctor.run_function(_two_ranks_raise_alike, num_processes=3, stall_s=10.0, timeout_s=60)
+    assert (found.kind, found.ranks) == ("rank-exited", [1, 2]), found.text()
+    site = f"{HERE}:{_line('alike')}"
+    assert found.summary.startswith(f"Ranks 1 and 2 raised ValueError: no shard for this rank at {site} "
+                                    "while other ranks still needed them"), found.summary
+    leftovers.check()
+
+
 def _native_sleep_on_rank_one():
     import ctypes
 

@@ -201,21 +201,28 @@ def exited_summary(culprits: list[int], positions: dict[int, Position]) -> str:
     finished = [rank for rank in culprits if positions[rank].state == "finished"]
     its = "its" if len(finished) == 1 else "their"
     sentences = [f"{ranks_text(finished)} finished {its} work"] if finished else []
+    alike: dict[tuple[str, str | None], list[int]] = {}  # ranks that ended the same way at one line
     for rank in culprits:
-        pos = positions[rank]
-        if pos.state == "finished":
-            continue
-        if pos.detail.startswith("raised"):
-            how = pos.detail + _at(pos)
-        else:
-            how = f"was {pos.detail}" if pos.detail.startswith("killed") else f"ended ({pos.detail})"
-            how += f" after its last collective{_at(pos)}" if pos.where else ""
-        sentences.append(f"Rank {rank} {how}")
+        if positions[rank].state != "finished":
+            alike.setdefault((positions[rank].detail, positions[rank].where), []).append(rank)
+    for ranks in alike.values():
+        sentences.append(f"{ranks_text(ranks)} {_ended_how(positions[ranks[0]], len(ranks) > 1)}")
     text = "; ".join(sentences)
     if needing:
         waits = ", ".join(f"rank {p.rank} in {_op_name(p.op)}{_at(p)}" for p in needing)
         text += f" while other ranks still needed {'it' if len(culprits) == 1 else 'them'} ({waits})"
     return text + "."
+
+
+def _ended_how(pos: Position, several: bool) -> str:
+    """'raised ValueError: ... at train.py:7', 'was killed by SIGABRT after its last collective at ...'."""
+    if pos.detail.startswith("raised"):
+        return pos.detail + _at(pos)
+    if pos.detail.startswith("killed"):
+        how = f"{'were' if several else 'was'} {pos.detail}"
+    else:
+        how = f"ended ({pos.detail})"
+    return how + (f" after {'their' if several else 'its'} last collective{_at(pos)}" if pos.where else "")
 
 
 def extra_collective_summary(extra: list[int], positions: dict[int, Position]) -> str:
