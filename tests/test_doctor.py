@@ -30,13 +30,18 @@ def _line(marker: str) -> int:
     return marker_line(__file__, marker)
 
 
+def _stay_away(seconds: float = 60) -> None:
+    """A rank busy elsewhere (bounded: the test's ranks never outlive it)."""
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline:  # line: loop
+        time.sleep(0.05)
+
+
 def _skip_barrier_on_rank_one():
     import torch.distributed as dist
 
     if dist.get_rank() == 1:
-        deadline = time.monotonic() + 60
-        while time.monotonic() < deadline:  # line: loop
-            time.sleep(0.05)
+        _stay_away()
         return
     dist.barrier()  # line: barrier
 
@@ -372,9 +377,7 @@ def _monitored_barrier_rank_two_misses():
     import torch.distributed as dist
 
     if dist.get_rank() == 2:
-        deadline = time.monotonic() + 60
-        while time.monotonic() < deadline:  # line: away
-            time.sleep(0.05)
+        _stay_away()
         return
     dist.monitored_barrier(timeout=datetime.timedelta(seconds=1))
 
@@ -385,7 +388,7 @@ def test_a_monitored_barrier_that_times_out_names_the_rank_that_never_came_not_t
                                 timeout_s=60)
     assert (found.kind, found.ranks) == ("rank-missing", [2]), found.text()
     assert [entry.state for entry in found.per_rank[:2]] == ["exited", "exited"]
-    assert found.per_rank[2].location in (f"{HERE}:{_line('away')}", f"{HERE}:{_line('away') + 1}")
+    assert found.per_rank[2].location in (f"{HERE}:{_line('loop')}", f"{HERE}:{_line('loop') + 1}")
     leftovers.check()
 
 
