@@ -303,10 +303,13 @@ def unknown_summary(positions: dict[int, Position]) -> str:
         what = pos.state
         if pos.op is not None:
             what += f" {_op_name(pos.op)}"
-        if pos.where:
+        detail = pos.detail
+        if pos.where and detail.endswith(f" at {pos.where}"):  # 'in native code ... at x.py:5'
+            what, detail = f"{what} {detail}", ""
+        elif pos.where:
             what += f" at {pos.where}"
-        if pos.detail and pos.detail != f"at {pos.where}":
-            what += f" ({pos.detail})"
+        if detail and detail != f"at {pos.where}":
+            what += f" ({detail})"
         parts.append(f"rank {pos.rank}: {what}")
     if all(pos.state == "outside-collective" for pos in positions.values()):
         lead = ("No rank was waiting in a collective: all were computing, or stuck outside "
