@@ -17,7 +17,6 @@ from dataclasses import dataclass, field, fields, replace
 from typing import Any
 
 from helpers import report
-from helpers.collectives import OBJECT_LISTS, canonical_op
 from helpers.doctor import wording
 from helpers.doctor.records import Evidence, Op, Position, RankView, fr_op
 from helpers.doctor.source import faulthandler_stack, rank_conditional, source_line
@@ -472,7 +471,7 @@ def _odd_ones_out(groups: dict[tuple, list[int]], present: dict[int, Op], histor
     majority, then history."""
     everyone = sorted(present)
     root = _common_root(present)
-    if root in present and all(canonical_op(op.op) in OBJECT_LISTS for op in present.values()):
+    if root in present and all(wording.is_object_list(op) for op in present.values()):
         return [r for r in everyone if present[r].signature() != present[root].signature()]
     conditional = [r for r in everyone if rank_conditional(present[r].file, present[r].line)]
     if conditional and len(conditional) < len(everyone):

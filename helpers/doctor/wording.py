@@ -76,12 +76,12 @@ def fix(kind: str, culprits: list[Position]) -> str:
     crossed = culprits and all(pos.op is not None and pos.op.p2p for pos in culprits)
     if kind == "collective-mismatch" and crossed:
         known.append(CROSSED_P2P_CURE)
-    if kind == "shape-mismatch" and any(_object_list(pos.op) for pos in culprits):
+    if kind == "shape-mismatch" and any(is_object_list(pos.op) for pos in culprits):
         known.append(OBJECT_LIST_CURE)
     return " ".join([*known, FIXES[kind]])
 
 
-def _object_list(op: Op | None) -> bool:
+def is_object_list(op: Op | None) -> bool:
     """Is it an op on a list of objects, recorded by its length (``collectives.OBJECT_LISTS``)?"""
     return op is not None and canonical_op(op.op) in OBJECT_LISTS and op.dtypes == ["object"]
 
@@ -151,10 +151,10 @@ def divergence_summary(kind: str, key: tuple[str, int], present: dict[int, Op], 
         site = next((o.where for o in present.values() if o.where), None)
         where = f" at {site}" if site else ""
         odd = (f"{ranks_text(culprits)} differ{'s' if len(culprits) == 1 else ''} from "
-               f"{f'the source, rank {op.root}' if _object_list(op) else 'the others'}."
+               f"{f'the source, rank {op.root}' if is_object_list(op) else 'the others'}."
                if len(culprits) < len(present)
                else "Every rank must pass the same shape and dtype.")
-        if _object_list(op):
+        if is_object_list(op):
             parts = [f"rank {r} {_items(o.shapes)}" for r, o in sorted(present.items())]
             return (f"Ranks called {_op_name(op)}{where} (collective #{seq}) with lists of different "
                     "lengths: " + "; ".join(parts) + ". " + odd)
