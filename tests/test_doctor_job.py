@@ -68,7 +68,8 @@ def _json(outcome: runs.JobRun, world: int = 4) -> dict:
 
 
 def test_a_hang_on_the_second_node_is_named_and_every_rank_ends_with_exit_3(script, tmp_path, leftovers):
-    outcome = _run(script, tmp_path, "hang")
+    # each rank has started a process of its own: ended with the rank, not left under PID 1 (``_run``)
+    outcome = _run(script, tmp_path, "hang", HELPER_CHILD="1")
     data = _json(outcome)
     assert (data["verdict"], data["kind"], data["ranks"]) == ("hang", "rank-missing", [3]), data
     assert STALL_S <= data["detected_after_s"] <= STALL_S + 3
@@ -173,8 +174,9 @@ def test_kill_9_of_the_agent_that_hosts_the_store_still_leaves_nothing(script, t
 
 def test_a_rank_whose_python_cannot_answer_is_named_after_a_bounded_wait(script, tmp_path, leftovers):
     # native code holding the GIL: the rank's watchdog cannot run; the leader names it from its last
-    # heartbeat, and the rank is killed at the stop (SIGTERM cannot reach its Python either)
-    outcome = _run(script, tmp_path, "gil")
+    # heartbeat, and the rank is killed at the stop (SIGTERM cannot reach its Python either), with
+    # the process it started
+    outcome = _run(script, tmp_path, "gil", HELPER_CHILD="1")
     data = _json(outcome)
     assert (data["verdict"], data["kind"], data["ranks"]) == ("hang", "rank-missing", [3]), data
     assert any("rank 3 did not answer" in note and "GIL" in note for note in data["notes"])

@@ -65,6 +65,7 @@ TICK_S = 0.25  # how often a watchdog posts its heartbeat and reads the leader's
 STOP_ACK_S = 2.0  # on a stop, each rank waits at most this long for every rank to know it
 LINGER_S = EVIDENCE_WAIT_S + SILENT_S + 4 * TICK_S  # an ended rank waits this long for a verdict
 ATEXIT_S = 5.0  # the script's exit handlers, when the doctor ends a rank from its watchdog
+CHILDREN_GRACE_S = 1.0  # a rank's own child processes, when the doctor ends it: SIGTERM, then SIGKILL
 STORE_FAILURES = 3  # store calls that time out in a row before a watchdog gives up
 CONNECT_S = 120.0  # reaching the job's store (hosted by rank 0 itself when there is no agent)
 KEPT_RECORDS = 256  # trace records kept for an answer
@@ -147,7 +148,8 @@ def _leave(code: int, from_main: bool = False) -> NoReturn:
 
     ``from_main`` (the script ended): first wait for the script's non-daemon threads, as Python's
     own exit does (an async checkpoint writer). From the watchdog (the doctor ends a stuck rank)
-    the exit handlers get ``ATEXIT_S``.
+    the exit handlers get ``ATEXIT_S``, then the processes the rank started are stopped
+    (``stop_own_children``).
     """
     if not _LEAVING.acquire(blocking=False):
         threading.Event().wait()  # the first caller ends the process
@@ -160,11 +162,26 @@ def _leave(code: int, from_main: bool = False) -> NoReturn:
         handlers = threading.Thread(target=atexit._run_exitfuncs, daemon=True)
         handlers.start()
         handlers.join(ATEXIT_S)
+        stop_own_children()
     trace.flush(wait=from_main)  # with --keep: the last calls on file (the watchdog never waits)
     trace.settle()  # no state file cut off before its rename
     sys.stdout.flush()
     sys.stderr.flush()
     _EXIT(code)
+
+
+def stop_own_children() -> None:
+    """Stop every process this rank started (a script's helper process, DataLoader workers) that is
+    still running, SIGTERM first (``CHILDREN_GRACE_S``).
+
+    Without the doctor, torchrun's agent ends a stuck job with ``os.killpg`` of each worker's
+    process group, which takes the worker's children along; but it signals only the workers still
+    running, and a rank the doctor ends has exited by then: its children would run on under PID 1.
+    """
+    try:
+        procs.stop_processes(procs.tree_of([os.getpid()]), CHILDREN_GRACE_S)
+    except Exception:  # noqa: BLE001 - leaving anyway
+        pass
 
 
 class Watchdog(threading.Thread):
@@ -489,14 +506,13 @@ class Watchdog(threading.Thread):
     def _kill_stuck_here(self) -> None:
         """SIGKILL the ranks of this machine that cannot act on the stop: their Python does not run
         (native code holding the GIL), so SIGTERM would not end them either; torchrun would wait
-        30 s before it kills them itself."""
-        from helpers import procs
-
+        30 s before it kills them itself. Their child processes with them (``stop_own_children``)."""
         for seen in self.board.read_beats(self.board.roster()).values():
             beat = seen.beat
             if beat.get("machine") == self.machine and not seen.fresh() and not seen.gone \
                     and beat.get("pid") != os.getpid() and still_runs(beat):
-                procs.send_signal(int(beat["pid"]), signal.SIGKILL)
+                for member in procs.tree_of([int(beat["pid"])]):  # listed before the rank dies
+                    procs.send_signal(member.pid, signal.SIGKILL)
 
     def _keep_state(self) -> None:
         if self.options.keep_dir is None:
