@@ -302,7 +302,7 @@ def test_ranks_waiting_in_different_operations_are_each_named(leftovers):
     found = info.value.diagnosis
     assert (found.kind, found.ranks) == ("rank-missing", [3])
     assert found.summary.startswith(
-        f"Rank 3 never reached the barrier that rank 0, rank 1 entered at {HERE}:{_line('world barrier')} "
+        f"Rank 3 never reached the barrier that ranks 0 and 1 entered at {HERE}:{_line('world barrier')} "
         f"(collective #"), found.summary
     assert f"nor the all_reduce that rank 2 entered at {HERE}:{_line('subgroup')}" in found.summary
     leftovers.check()
@@ -406,6 +406,51 @@ def test_ranks_that_ended_alike_are_named_in_one_sentence(leftovers):
     site = f"{HERE}:{_line('alike')}"
     assert found.summary.startswith(f"Ranks 1 and 2 raised ValueError: no shard for this rank at {site} "
                                     "while other ranks still needed them"), found.summary
+    leftovers.check()
+
+
+class _SlowDataset:
+    """A dataset whose fourth item takes a minute (a worker stuck in ``__getitem__``)."""
+
+    def __len__(self):
+        return 8
+
+    def __getitem__(self, index):
+        if index == 3:
+            time.sleep(60)
+        return index
+
+
+def _ranks_waiting_for_other_things():
+    import threading
+
+    import torch
+    import torch.distributed as dist
+    from torch.utils.data import DataLoader
+
+    rank = dist.get_rank()
+    if rank == 1:
+        for _batch in DataLoader(_SlowDataset(), batch_size=1, num_workers=1):  # line: loader
+            pass
+    elif rank == 2:
+        subprocess.run(["sleep", "60"])  # line: child
+    elif rank == 3:
+        lock = threading.Lock()
+        lock.acquire()
+        lock.acquire(timeout=60)  # line: lock
+    dist.all_reduce(torch.ones(2))  # line: waited
+
+
+def test_a_rank_waiting_outside_torch_is_said_to_wait_for_what_it_waits_for(leftovers):
+    # the library frames below the user's line say what it waits for; the DataLoader's cure leads
+    # the fix; the DataLoader's worker and the child process end with the run
+    found = doctor.run_function(_ranks_waiting_for_other_things, num_processes=4, stall_s=2.0, timeout_s=60)
+    assert (found.kind, found.ranks) == ("rank-missing", [1, 2, 3]), found.text()
+    assert f"that rank 0 entered at {HERE}:{_line('waited')}" in found.summary
+    assert (f"rank 1 is {wording.DATALOADER_WAIT} at {HERE}:{_line('loader')}; "
+            f"rank 2 is waiting for a child process at {HERE}:{_line('child')}; "
+            f"rank 3 is waiting to acquire a lock at {HERE}:{_line('lock')}.") in found.summary, found.summary
+    assert found.fix.startswith(wording.DATALOADER_CURE)
     leftovers.check()
 
 

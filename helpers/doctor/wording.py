@@ -45,6 +45,13 @@ FIXES = {
 
 # errors whose cause is known, by the first sentence a culprit raised: what to do first. Each message
 # is torch's own (2.13): DDP's reducer (reducer.cpp) and the caching allocator (CUDACachingAllocator.cpp).
+DATALOADER_WAIT = "waiting for a batch from its DataLoader's worker processes"
+DATALOADER_CURE = (
+    "Its DataLoader's worker processes have not delivered the next batch: a worker is slow or stuck "
+    "in the dataset's __getitem__ or collate_fn, or died. DataLoader(..., timeout=S) makes the wait "
+    "raise after S seconds instead; num_workers=0 loads in the rank itself, where the doctor shows "
+    "the dataset's line.")
+
 KNOWN_ERRORS = [
     (re.compile(r"Expected to have finished reduction in the prior iteration"),
      "DDP: some parameters got no gradient on that rank in the last step (a branch of the model it "
@@ -52,6 +59,7 @@ KNOWN_ERRORS = [
      "every rank use every parameter in every step, or pass find_unused_parameters=True to "
      "DistributedDataParallel (with accelerate: Accelerator(kwargs_handlers="
      "[DistributedDataParallelKwargs(find_unused_parameters=True)]), which costs a graph walk per step)."),
+    (re.compile(re.escape(DATALOADER_WAIT)), DATALOADER_CURE),
     (re.compile(r"CUDA out of memory|OutOfMemoryError"),
      f"CUDA ran out of memory on that rank: {NB_MEMORY} finds the largest batch that fits; "
      "PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True helps when the error says much memory is "
@@ -116,15 +124,60 @@ def issued_by(stack: list[dict[str, Any]]) -> str:
 
 
 def activity(rank: int, frame: dict[str, Any], stack: list[dict[str, Any]], silent: bool = False) -> str:
-    """What a rank outside any collective is doing: 'in a loop at train.py:41', 'sleeping at ...';
-    ``silent``: its Python could not answer, so the call at its line holds the GIL in native code."""
+    """What a rank outside any collective is doing: 'in a loop at train.py:41', 'sleeping at ...',
+    'waiting for a child process at ...' (``waiting_for``); ``silent``: its Python could not answer,
+    so the call at its line holds the GIL in native code."""
     if silent:
         return f"in native code holding the GIL at {frame['where']}"
+    waits = waiting_for(frame, stack)
+    if waits is not None:
+        return f"{waits} at {frame['where']}"
     innermost = stack[-1] if stack else frame
     sleeping = innermost.get("func") == "sleep" or "time.sleep" in source_line(frame)
     loop = enclosing_loop(frame.get("file"), frame.get("line"))
     where = f"in a loop at {Path(frame['file']).name}:{loop}" if loop is not None else f"at {frame['where']}"
     return f"sleeping {where}" if sleeping else where
+
+
+# what a rank waits for when the library code its line called is in one of these files (the first
+# match wins: a DataLoader waits on multiprocessing's queue, a child process on selectors)
+_WAITS = (
+    ("/torch/utils/data/dataloader.py", None, DATALOADER_WAIT),
+    ("/subprocess.py", None, "waiting for a child process"),
+    ("/concurrent/futures/", None, "waiting for a future's result"),
+    ("/multiprocessing/pool.py", None, "waiting for a multiprocessing pool"),
+    ("/threading.py", {"join", "_wait_for_tstate_lock"}, "waiting for a thread to end"),
+    ("/threading.py", None, "waiting on a threading Event, Condition or Barrier"),
+    ("/queue.py", None, "waiting on a queue"),
+    ("/multiprocessing/", None, "waiting on another process (multiprocessing)"),
+    ("/socket.py", None, "waiting on the network"),
+    ("/ssl.py", None, "waiting on the network"),
+    ("/http/client.py", None, "waiting on the network"),
+    ("/selectors.py", None, "waiting on a socket or pipe"),
+    ("/torch/cuda/__init__.py", {"synchronize"}, "waiting for the GPU (torch.cuda.synchronize)"),
+)
+_WAITING_LINES = ((re.compile(r"\.acquire\("), "waiting to acquire a lock"),
+                  (re.compile(r"(^|[^\w.])input\("), "waiting for input on stdin"))
+
+
+def waiting_for(frame: dict[str, Any], stack: list[dict[str, Any]]) -> str | None:
+    """What the user's ``frame`` waits for, from the library frames it called ('waiting for a child
+    process') or, when its line calls C directly, from the line ('waiting to acquire a lock');
+    None when it waits for nothing known."""
+    index = next((i for i, f in enumerate(stack) if f is frame), None)
+    called = stack[index + 1:] if index is not None else []
+    for ending, funcs, text in _WAITS:
+        if any(_runs_in(f, ending, funcs) for f in called):
+            return text
+    if not called:  # nothing in Python below the user's line: what its line says
+        line = source_line(frame)
+        return next((text for pattern, text in _WAITING_LINES if pattern.search(line)), None)
+    return None
+
+
+def _runs_in(frame: dict[str, Any], ending: str, funcs: set[str] | None) -> bool:
+    path = str(frame.get("file", "")).replace("\\", "/")
+    return ending in path and (funcs is None or frame.get("func") in funcs)
 
 
 def _op_name(op: Op | None) -> str:
@@ -252,7 +305,8 @@ def missing_summary(missing: list[int], positions: dict[int, Position]) -> str:
         entered.setdefault((_op_name(pos.op), pos.where, pos.seq), []).append(pos)
     clauses = []
     for (name, _where, seq), group in entered.items():
-        clause = f"the {name} that {', '.join(f'rank {p.rank}' for p in group)} entered{_at(group[0])}"
+        who = ranks_text([p.rank for p in group])
+        clause = f"the {name} that {who[0].lower()}{who[1:]} entered{_at(group[0])}"
         clauses.append(clause + (f" (collective #{seq})" if seq else ""))
     text = f"{ranks_text(missing)} never reached " + ", nor ".join(clauses)
     where = []
