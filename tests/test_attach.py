@@ -21,13 +21,22 @@ from helpers.launch import launch
 HANG = textwrap.dedent("""\
     import os, pathlib, time
     import torch.distributed as dist
+    from torch.utils.data import DataLoader
+
+    class Stuck:
+        def __len__(self):
+            return 2
+
+        def __getitem__(self, index):
+            while True:  # line: worker
+                time.sleep(0.05)
 
     def main():
         dist.init_process_group("gloo")
         pathlib.Path(os.environ["READY_DIR"], f"ready-{dist.get_rank()}").touch()
         if dist.get_rank() == int(os.environ.get("CULPRIT", "1")):
-            while True:
-                time.sleep(0.05)  # line: culprit
+            for batch in DataLoader(Stuck(), num_workers=1):  # line: culprit (its worker never delivers)
+                pass
         dist.barrier()  # line: barrier
 
     if __name__ == "__main__":
@@ -41,7 +50,8 @@ def _line(marker: str) -> int:
 
 
 class Job:
-    """A plain torchrun job (one or several agents) that hangs: rank CULPRIT never reaches the barrier."""
+    """A plain torchrun job (one or several agents) that hangs: rank CULPRIT never reaches the barrier,
+    waiting for its DataLoader's worker, stuck in the dataset."""
 
     def __init__(self, folder: Path, nodes: int = 1, per_node: int = 2, culprit: int = 1):
         self.folder, self.world = folder, nodes * per_node
@@ -103,6 +113,8 @@ def test_attach_by_the_agent_names_the_culprit_and_leaves_the_job_running(job):
     assert diagnosis.per_rank[0].op == "barrier"
     assert diagnosis.per_rank[0].location == f"{job.script.name}:{_line('barrier')}"
     assert diagnosis.per_rank[1].location == f"{job.script.name}:{_line('culprit')}"
+    worker = f"is sleeping in a loop at {job.script.name}:{_line('worker')} in __getitem__)"
+    assert worker in diagnosis.summary, diagnosis.summary  # its DataLoader worker, read with py-spy too
     assert any("sequence numbers" in note for note in diagnosis.notes)  # what stacks cannot tell
     assert _snapshot(job) == before, "attaching must leave the same processes"
     assert all(p.status() != psutil.STATUS_STOPPED for p in job.ranks())

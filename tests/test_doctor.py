@@ -417,7 +417,7 @@ class _SlowDataset:
 
     def __getitem__(self, index):
         if index == 3:
-            time.sleep(60)
+            time.sleep(60)  # line: worker
         return index
 
 
@@ -430,7 +430,7 @@ def _ranks_waiting_for_other_things():
 
     rank = dist.get_rank()
     if rank == 1:
-        for _batch in DataLoader(_SlowDataset(), batch_size=1, num_workers=1):  # line: loader
+        for _batch in DataLoader(_SlowDataset(), batch_size=1, num_workers=2):  # line: loader
             pass
     elif rank == 2:
         subprocess.run(["sleep", "60"])  # line: child
@@ -447,8 +447,11 @@ def test_a_rank_waiting_outside_torch_is_said_to_wait_for_what_it_waits_for(left
     found = doctor.run_function(_ranks_waiting_for_other_things, num_processes=4, stall_s=2.0, timeout_s=60)
     assert (found.kind, found.ranks) == ("rank-missing", [1, 2, 3]), found.text()
     assert f"that rank 0 entered at {HERE}:{_line('waited')}" in found.summary
-    assert (f"rank 1 is {wording.DATALOADER_WAIT} at {HERE}:{_line('loader')}; "
-            f"rank 2 is waiting for a child process at {HERE}:{_line('child')}; "
+    assert (f"rank 1 is {wording.DATALOADER_WAIT} at {HERE}:{_line('loader')} (worker pid "
+            in found.summary), found.summary  # py-spy read the worker that is busy, not the idle one
+    assert f" is sleeping at {HERE}:{_line('worker')} in __getitem__); " in found.summary, found.summary
+    assert found.summary.count("worker pid ") == 1, found.summary
+    assert (f"; rank 2 is waiting for a child process at {HERE}:{_line('child')}; "
             f"rank 3 is waiting to acquire a lock at {HERE}:{_line('lock')}.") in found.summary, found.summary
     assert found.fix.startswith(wording.DATALOADER_CURE)
     leftovers.check()

@@ -83,6 +83,18 @@ def test_a_hang_on_the_second_node_is_named_and_every_rank_ends_with_exit_3(scri
     leftovers.check()
 
 
+def test_a_rank_whose_dataloader_worker_is_stuck_names_the_workers_line(script, tmp_path, leftovers):
+    # the rank's own watchdog reads its DataLoader worker with py-spy as it answers the leader
+    outcome = _run(script, tmp_path, "loader")
+    data = _json(outcome)
+    assert (data["kind"], data["ranks"]) == ("rank-missing", [3]), data
+    assert f"rank 3 is waiting for a batch from its DataLoader's worker processes at {_line('loader')} " \
+           "(worker pid " in data["summary"], data["summary"]
+    assert f"is sleeping at {_line('dataset')} in __getitem__)" in data["summary"], data["summary"]
+    assert data["fix"].startswith("Its DataLoader's worker processes have not delivered")
+    leftovers.check()
+
+
 def test_a_rank_that_raises_is_diagnosed_before_the_job_is_torn_down(script, tmp_path, leftovers):
     outcome = _run(script, tmp_path, "raise")
     data = _json(outcome)

@@ -331,7 +331,7 @@ def _current(view: RankView) -> Position:
     pos = Position(view.rank, "outside-collective", seq=None)
     if frame:
         pos.where, pos.file, pos.line = frame["where"], frame["file"], frame["line"]
-        pos.detail = wording.activity(view.rank, frame, stack, view.silent)
+        pos.detail = wording.activity(view.rank, frame, stack, view.silent, view.workers)
     return pos
 
 

@@ -47,6 +47,7 @@ from pathlib import Path
 from typing import Any, NoReturn
 
 from helpers import procs, redact, report, rundir, trace
+from helpers.doctor import pyspy
 from helpers.doctor.board import SILENT_S, Board, Seen
 from helpers.doctor.diagnosis import EXIT_CODES, Diagnosis
 from helpers.doctor.leader import (
@@ -425,6 +426,9 @@ class Watchdog(threading.Thread):
         state = trace.rank_state(self.job.rank, request)
         state.update(recs=list(self.records), exit=self.exit, host=self.host, machine=self.machine,
                      pid=os.getpid(), born=self.born)
+        if request != "final":  # where its DataLoader's workers are, when it waits for them
+            mine = {self.job.rank: (os.getpid(), state["stack"])}
+            state["workers"] = pyspy.dataloader_workers(mine).get(self.job.rank, [])
         return state
 
     # -- how this rank ends -----------------------------------------------------------------

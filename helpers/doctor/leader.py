@@ -175,6 +175,7 @@ def view_from(rank: int, source: dict[str, Any], state: dict[str, Any]) -> RankV
     if source.get("progress"):
         view.apply({"ev": "pg", "pg": source["progress"], "t": time.time()})
     view.state = {key: state.get(key) for key in ("stack", "progress", "fr")}
+    view.workers = state.get("workers") or []
     end = source.get("exit")
     if end:
         view.exit, view.ended, view.exit_code = end, True, end.get("code")

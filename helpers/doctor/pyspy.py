@@ -35,10 +35,11 @@ from helpers import report
 from helpers.collectives import OPS
 from helpers.doctor.diagnosis import Diagnosis, diagnose
 from helpers.doctor.records import Op, RankView
-from helpers.doctor.wording import issued_by
+from helpers.doctor.wording import DATALOADER_FILE, issued_by
 from helpers.sites import is_user_code
 
 PY_SPY_TIMEOUT_S = 20.0
+WORKERS_S = 1.0  # reading the DataLoader workers of a rank that waits for them
 JOB_KEYS = ("TORCHELASTIC_RUN_ID", "MASTER_ADDR", "MASTER_PORT")
 RANK_KEYS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK", *JOB_KEYS)
 C10D_FILE = "torch/distributed/distributed_c10d.py"
@@ -260,6 +261,32 @@ def read_stacks(pids: dict[int, int], timeout_s: float = PY_SPY_TIMEOUT_S) -> di
     return {key: frames for key, frames in found.items() if frames is not None}
 
 
+def dataloader_workers(ranks: dict[Any, tuple[int, list[dict[str, Any]]]],
+                       timeout_s: float = WORKERS_S) -> dict[Any, list[dict[str, Any]]]:
+    """The stacks of each waiting rank's child processes, read with py-spy in parallel, for the
+    ranks (``{rank: (pid, main-thread stack)}``) that wait for a batch from a DataLoader: ``{rank:
+    [{"pid": ..., "frames": [...]}, ...]}`` by pid, for ``wording.activity`` to say where a worker
+    is stuck. Ranks that wait for no DataLoader are left out, and so is what py-spy cannot read
+    (it needs ptrace rights: a parent may read its own children)."""
+    import psutil
+
+    children: dict[int, Any] = {}  # child pid -> its rank
+    for rank, (pid, stack) in ranks.items():
+        if any(_runs_in_dataloader(frame) for frame in stack):
+            try:
+                children.update({child.pid: rank for child in psutil.Process(pid).children()})
+            except psutil.Error:
+                continue
+    found: dict[Any, list[dict[str, Any]]] = {}
+    for child, frames in sorted(read_stacks({pid: pid for pid in children}, timeout_s).items()):
+        found.setdefault(children[child], []).append({"pid": child, "frames": frames})
+    return found
+
+
+def _runs_in_dataloader(frame: dict[str, Any]) -> bool:
+    return str(frame.get("file", "")).replace("\\", "/").endswith(DATALOADER_FILE)
+
+
 def faulthandler_text(frames: list[dict[str, Any]]) -> str:
     """Frames (outermost first) as faulthandler writes a stack, so that the doctor reads them as it
     reads a dump (``helpers.doctor.source.faulthandler_stack``), headed by where they came from."""
@@ -332,11 +359,14 @@ def _cpp_collective(issuer: str) -> str:
     return "C++ collective"
 
 
-def diagnose_stacks(stacks: dict[int, list[dict[str, Any]]], world_size: int,
-                    native: bool) -> Diagnosis:
-    """The doctor's diagnosis from stacks alone; ranks without a stack are unseen (other nodes)."""
+def diagnose_stacks(stacks: dict[int, list[dict[str, Any]]], world_size: int, native: bool,
+                    workers: dict[int, list[dict[str, Any]]] | None = None) -> Diagnosis:
+    """The doctor's diagnosis from stacks alone; ranks without a stack are unseen (other nodes).
+    ``workers``: the DataLoader workers' stacks of the ranks that wait for one (``dataloader_workers``)."""
     now = time.time()
     views = {rank: view_from_stack(rank, frames, now) for rank, frames in stacks.items()}
+    for rank, found in (workers or {}).items():
+        views[rank].workers = found
     diagnosis = diagnose(views, world_size, "stall", None, unseen_missing=True)
     diagnosis.notes.append(STACKS_ONLY)
     if not native:
@@ -367,11 +397,16 @@ def attach(target: str, native: bool = False) -> list[Attached]:
         members, stacks = jobs.setdefault(rank.job, ([], {}))
         members.append(rank)
         stacks[rank.rank] = frames
+    workers = dataloader_workers({(rank.job, rank.rank): (rank.pid, frames)
+                                  for rank, frames in zip(ranks, dumped, strict=True)})
     seconds = round(time.monotonic() - started, 3)
     host = socket.gethostname()
-    return [Attached(diagnose_stacks(stacks, members[0].world_size, native), host, members[0].world_size,
-                     job, members, stacks, seconds, native)
-            for job, (members, stacks) in jobs.items()]
+    attached = []
+    for job, (members, stacks) in jobs.items():
+        of_job = {rank: found for (its_job, rank), found in workers.items() if its_job == job}
+        attached.append(Attached(diagnose_stacks(stacks, members[0].world_size, native, of_job), host,
+                                 members[0].world_size, job, members, stacks, seconds, native))
+    return attached
 
 
 def merge(paths: list[str | Path]) -> Attached:

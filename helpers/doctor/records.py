@@ -82,6 +82,7 @@ class RankView:
     ended: bool = False
     stack_text: str = ""
     silent: bool = False  # its helper thread did not answer: its stack came from py-spy
+    workers: list[dict[str, Any]] = field(default_factory=list)  # its DataLoader workers' stacks (py-spy)
 
     def apply(self, event: dict[str, Any]) -> None:
         """Fold one trace record into the view."""

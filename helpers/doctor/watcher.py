@@ -21,6 +21,7 @@ from typing import Any
 from helpers import params, report, rundir, trace
 from helpers.doctor.diagnosis import Diagnosis, diagnose
 from helpers.doctor.records import RankView, read_new_records
+from helpers.doctor.source import faulthandler_stack
 from helpers.launch import LaunchError, LaunchTimeout, RankError, RankExited, Run, Watcher, rank_failure
 
 DEFAULT_STALL_S = 30.0
@@ -148,6 +149,7 @@ class Doctor(Watcher):
         self._refresh(run)
         self._read_states(run, None)  # what each rank wrote last (an unasked "auto" state included)
         self._mark_silent()
+        self._read_workers(run)
 
     def _read_silent(self, pids: dict[int, int]) -> dict[int, str]:
         """The stacks of ranks whose helper thread did not answer, read with py-spy from outside:
@@ -157,6 +159,18 @@ class Doctor(Watcher):
         read = {rank: frames for rank, frames in pyspy.read_stacks(pids, PY_SPY_S).items() if frames}
         self.read_by_py_spy.update(read)
         return {rank: pyspy.faulthandler_text(frames) for rank, frames in read.items()}
+
+    def _read_workers(self, run: Run) -> None:
+        """The DataLoader workers of the ranks that wait for one, read with py-spy."""
+        from helpers.doctor import pyspy
+
+        waiting = {}
+        for rank in run.live_ranks():
+            view, pid = self.views[rank], run.processes[rank].pid
+            if pid:
+                waiting[rank] = (pid, (view.state or {}).get("stack") or faulthandler_stack(view.stack_text))
+        for rank, workers in pyspy.dataloader_workers(waiting).items():
+            self.views[rank].workers = workers
 
     def _mark_silent(self) -> None:
         for rank in self.read_by_py_spy:

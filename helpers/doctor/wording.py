@@ -45,6 +45,8 @@ FIXES = {
 
 # errors whose cause is known, by the first sentence a culprit raised: what to do first. Each message
 # is torch's own (2.13): DDP's reducer (reducer.cpp) and the caching allocator (CUDACachingAllocator.cpp).
+DATALOADER_FILE = "/torch/utils/data/dataloader.py"
+_WORKER_LOOP_FILE = "/torch/utils/data/_utils/worker.py"
 DATALOADER_WAIT = "waiting for a batch from its DataLoader's worker processes"
 DATALOADER_CURE = (
     "Its DataLoader's worker processes have not delivered the next batch: a worker is slow or stuck "
@@ -123,15 +125,18 @@ def issued_by(stack: list[dict[str, Any]]) -> str:
     return "issued outside Python (no Python wrapper saw it)"
 
 
-def activity(rank: int, frame: dict[str, Any], stack: list[dict[str, Any]], silent: bool = False) -> str:
+def activity(rank: int, frame: dict[str, Any], stack: list[dict[str, Any]], silent: bool = False,
+             workers: list[dict[str, Any]] | None = None) -> str:
     """What a rank outside any collective is doing: 'in a loop at train.py:41', 'sleeping at ...',
     'waiting for a child process at ...' (``waiting_for``); ``silent``: its Python could not answer,
-    so the call at its line holds the GIL in native code."""
+    so the call at its line holds the GIL in native code; ``workers``: its DataLoader workers'
+    stacks (``pyspy.dataloader_workers``), where a busy one is (``workers_text``)."""
     if silent:
         return f"in native code holding the GIL at {frame['where']}"
     waits = waiting_for(frame, stack)
     if waits is not None:
-        return f"{waits} at {frame['where']}"
+        busy = workers_text(workers or []) if waits == DATALOADER_WAIT else ""
+        return f"{waits} at {frame['where']}" + (f" ({busy})" if busy else "")
     innermost = stack[-1] if stack else frame
     sleeping = innermost.get("func") == "sleep" or "time.sleep" in source_line(frame)
     loop = enclosing_loop(frame.get("file"), frame.get("line"))
@@ -142,7 +147,7 @@ def activity(rank: int, frame: dict[str, Any], stack: list[dict[str, Any]], sile
 # what a rank waits for when the library code its line called is in one of these files (the first
 # match wins: a DataLoader waits on multiprocessing's queue, a child process on selectors)
 _WAITS = (
-    ("/torch/utils/data/dataloader.py", None, DATALOADER_WAIT),
+    (DATALOADER_FILE, None, DATALOADER_WAIT),
     ("/subprocess.py", None, "waiting for a child process"),
     ("/concurrent/futures/", None, "waiting for a future's result"),
     ("/multiprocessing/pool.py", None, "waiting for a multiprocessing pool"),
@@ -173,6 +178,21 @@ def waiting_for(frame: dict[str, Any], stack: list[dict[str, Any]]) -> str | Non
         line = source_line(frame)
         return next((text for pattern, text in _WAITING_LINES if pattern.search(line)), None)
     return None
+
+
+def workers_text(workers: list[dict[str, Any]]) -> str:
+    """Where the busy ones of a rank's DataLoader workers are, in the dataset's code: 'worker pid 41
+    is sleeping at data.py:12 in __getitem__' ('' when none is: an idle worker waits in torch's
+    worker loop for its next index)."""
+    parts = []
+    for worker in workers:
+        frames = worker.get("frames") or []
+        loop = max((i for i, f in enumerate(frames) if _runs_in(f, _WORKER_LOOP_FILE, None)), default=None)
+        below = frames[loop + 1:] if loop is not None else []
+        user = next((f for f in reversed(below) if f.get("user")), None)
+        if user is not None:
+            parts.append(f"worker pid {worker['pid']} is {activity(-1, user, below)} in {user['func']}")
+    return "; ".join(parts)
 
 
 def _runs_in(frame: dict[str, Any], ending: str, funcs: set[str] | None) -> bool:
