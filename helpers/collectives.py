@@ -30,7 +30,7 @@ OPS: dict[str, tuple[tuple[int, str] | None, tuple[int, str] | None]] = {
     "reduce_scatter_single": ((1, "input"), None),
     "_reduce_scatter_base": ((1, "input"), None),
     "all_to_all": (None, None),
-    "all_to_all_single": (None, None),
+    "all_to_all_single": ((1, "input"), None),
     "gather": ((0, "tensor"), None),
     "gather_object": (None, None),
     "scatter": ((0, "tensor"), None),
@@ -50,6 +50,9 @@ P2P_OPS = frozenset({"send", "recv", "isend", "irecv", "send_object_list", "recv
 # rooted collectives -> the argument naming their root (a global rank every rank must agree on)
 ROOTS = {"broadcast": "src", "reduce": "dst", "gather": "dst", "scatter": "src",
          "broadcast_object_list": "src", "gather_object": "dst", "scatter_object_list": "src"}
+# ops whose split sizes are recorded (``"splits"``: the output's rows, output_split_sizes and
+# input_split_sizes): rank i's input split j must equal rank j's output split i
+SPLIT_OPS = frozenset({"all_to_all_single"})
 # ops that return a work to wait on, always (they have no async_op argument)
 ASYNC_OPS = frozenset({"isend", "irecv", "batch_isend_irecv"})
 # ops that issue several inner collectives (the Flight Recorder sees those, not the call)

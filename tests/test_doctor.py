@@ -174,6 +174,26 @@ def test_a_rank_that_sent_one_message_fewer_is_named_when_its_peer_is_left_waiti
     leftovers.check()
 
 
+def _all_gather_into_a_list_of_its_own():
+    import torch
+    import torch.distributed as dist
+
+    outputs = [torch.zeros(2) for _ in range(3 if dist.get_rank() == 1 else 2)]  # rank 1 counted wrong
+    dist.all_gather(outputs, torch.ones(2))  # line: gather list
+
+
+def test_an_error_of_a_ranks_own_inside_a_collective_makes_it_the_culprit_not_a_victim(leftovers):
+    with pytest.raises(RankError) as info:
+        doctor.launch(_all_gather_into_a_list_of_its_own, num_processes=2, timeout_s=60, stall_s=1.5)
+    found = info.value.diagnosis
+    assert (found.kind, found.ranks) == ("rank-exited", [1]), found.summary
+    site = f"{HERE}:{_line('gather list')}"
+    assert found.summary.startswith("Rank 1 raised RuntimeError: ProcessGroupGloo::allgather: invalid output "
+                                    "tensor list") and site in found.summary, found.summary
+    assert "(rank 0 in all_gather" in found.summary and "rank 1 in" not in found.summary
+    leftovers.check()
+
+
 def _all_to_all_with_splits_of_its_own():
     import torch
     import torch.distributed as dist
@@ -183,15 +203,35 @@ def _all_to_all_with_splits_of_its_own():
     dist.all_to_all_single(torch.zeros(4), torch.ones(sum(splits)), **sizes)  # line: a2a
 
 
-def test_an_error_of_a_ranks_own_inside_a_collective_makes_it_the_culprit_not_a_victim(leftovers):
+def test_all_to_all_split_sizes_that_do_not_pair_up_name_the_rank_that_passed_them(leftovers):
+    # rank i's input split j must be rank j's output split i: rank 1 sends 3 rows where 2 are expected
     with pytest.raises(RankError) as info:
         doctor.launch(_all_to_all_with_splits_of_its_own, num_processes=2, timeout_s=60, stall_s=1.5)
     found = info.value.diagnosis
-    assert (found.kind, found.ranks) == ("rank-exited", [1]), found.summary
-    a2a = f"{HERE}:{_line('a2a')}"
-    assert found.summary.startswith("Rank 1 raised RuntimeError: inLengthPerRank") and a2a in found.summary
-    assert "(rank 0 in all_to_all_single" in found.summary and "rank 1 in" not in found.summary
+    assert (found.kind, found.ranks) == ("shape-mismatch", [1]), found.summary
+    site = f"{HERE}:{_line('a2a')}"
+    assert found.summary.startswith(f"Ranks called all_to_all_single at {site} (collective #1) "
+                                    "with split sizes that do not pair up: rank 1 sends 3 rows to rank 0, "
+                                    "which expects 2; rank 1 sends 3 rows to rank 1, which expects 2. "
+                                    "Rank 1 passed"), found.summary
+    assert found.fix.startswith(wording.SPLIT_CURE)
     leftovers.check()
+
+
+def test_split_sizes_pair_up_when_each_rank_sends_what_its_peer_expects():
+    from helpers.doctor.records import Op
+
+    def call(outs, ins, rows=6):
+        rows_in = sum(ins) if ins else rows
+        return Op(op="all_to_all_single", seq=1, shapes=[[rows_in]], splits=[rows, outs, ins])
+
+    # a mixture of experts' routing: every rank passes lists of its own, and they pair up
+    routed = {0: call([1, 4, 2], [1, 3, 2]), 1: call([3, 1, 0], [4, 1, 1]), 2: call([2, 1, 3], [2, 0, 3])}
+    assert diagnosis_module.split_mismatch(routed) == []
+    even = {rank: call(None, None) for rank in range(3)}  # no lists: equal splits of 6 rows
+    assert diagnosis_module.split_mismatch(even) == []
+    routed[2] = call([2, 1, 3], [2, 1, 3])  # rank 2 sends 1 row to rank 1, which expects 0 from it
+    assert diagnosis_module.split_mismatch(routed) == [(2, 1, 1, 0)]
 
 
 def _broadcast_from_its_own_rank():

@@ -17,6 +17,7 @@ from dataclasses import dataclass, field, fields, replace
 from typing import Any
 
 from helpers import report
+from helpers.collectives import SPLIT_OPS, canonical_op
 from helpers.doctor import wording
 from helpers.doctor.records import Evidence, Op, Position, RankView, fr_op
 from helpers.doctor.source import faulthandler_stack, rank_conditional, source_line
@@ -139,14 +140,14 @@ def diagnose(views: dict[int, RankView], num_processes: int, reason: str,
     positions = {rank: position(views[rank]) if rank in views else replace(missing, rank=rank)
                  for rank in range(num_processes)}
     histories = {rank: history(view) for rank, view in views.items()}
-    kind, culprits, summary = _classify(positions, histories, views)
+    kind, culprits, summary, *cures = _classify(positions, histories, views)  # a cure the evidence tells
     verdict = _verdict(kind, reason, positions)
     if verdict == "ok":
         detected_after_s = None
     per_rank = [_report(positions[rank]) for rank in range(num_processes)]
     evidence = Evidence(views=views, histories=histories, positions=positions, stacks=stacks or {},
                         reason=reason, detected_at=time.time())
-    fix = wording.fix(kind, [positions[rank] for rank in culprits if rank in positions])
+    fix = wording.fix(kind, [positions[rank] for rank in culprits if rank in positions], cures)
     return Diagnosis(verdict, kind, culprits, summary, fix, detected_after_s, per_rank, evidence)
 
 
@@ -273,13 +274,22 @@ _COMM_ERROR = re.compile(r"gloo|nccl|Connection (reset|closed|refused)|DistBacke
                          r"Timed out waiting|timed out|Socket Timeout|Broken pipe|(Read|Write) error|"
                          r"monitoredBarrier",  # 'Rank 2 failed to pass monitoredBarrier in 2000 ms'
                          re.IGNORECASE)
+# ...unless it says the rank's own arguments were wrong ('ProcessGroupGloo::allgather: invalid output
+# tensor list at index 0 (expected length 2, got 3)'): the backend names itself in those too
+_ARGUMENT_ERROR = re.compile(r"invalid|expected|must (be|have|match)|does ?n[o']?t match|mismatch|"
+                             r"unsupported|not supported", re.IGNORECASE)
+
+
+def _is_comm_error(error: str) -> bool:
+    """Does an error say the communication failed (a peer gone, a timeout), not the call itself?"""
+    return bool(_COMM_ERROR.search(error)) and not _ARGUMENT_ERROR.search(error)
 
 
 def _failed_inside(view: RankView, error: str | None) -> Op | None:
     """For a communication error raised outside any Python wrapper (DDP's collectives, issued from
     C++; a p2p work's ``wait()``): the collective it came from, i.e. the first not retired, else
     the isend or irecv posted last of those still open, else the last collective enqueued."""
-    if not error or not _COMM_ERROR.search(error):
+    if not error or not _is_comm_error(error):
         return None
     entries = [e for e in (view.state or {}).get("fr") or [] if not e.get("is_p2p")]
     pending = [e for e in entries if not e.get("retired")]
@@ -374,6 +384,8 @@ def _innermost_user_frame(stack: list[dict[str, Any]]) -> dict[str, Any] | None:
 
 
 def _classify(positions: dict[int, Position], histories: dict[int, dict], views: dict[int, RankView]):
+    """(kind, culprits, summary), and a cure when the evidence tells one that the culprits'
+    positions do not (split sizes that do not pair up)."""
     divergence = first_divergence(histories)
     python = first_divergence({rank: python_history(view) for rank, view in views.items()})
     if python is not None and (divergence is None or (python[0][1], -len(python[2])) <
@@ -435,7 +447,7 @@ def first_divergence(histories: dict[int, dict[tuple[str, int], Op]]):
         if len(present) < 2:
             continue
         groups = _grouped(present)
-        if len(groups) > 1:
+        if len(groups) > 1 or split_mismatch(present):
             return key, groups, present
     return None
 
@@ -458,11 +470,66 @@ def _source(history: dict) -> str:
 def _divergence_kind(divergence, positions, histories):
     key, groups, present = divergence
     ops = {sig[0] for sig in groups}
+    pairs = split_mismatch(present) if len(groups) == 1 else []
+    if pairs:
+        culprits = _split_culprits(present, pairs)
+        summary = wording.split_summary(key, present, pairs, culprits)
+        return "shape-mismatch", culprits, summary, wording.SPLIT_CURE
     culprits = _odd_ones_out(groups, present, histories, key)
     if len(ops) == 1 and len({sig[:2] for sig in groups}) == 1:  # the same call but for its root
         return "collective-mismatch", culprits, wording.root_summary(key, present, culprits)
     kind = "collective-mismatch" if len(ops) > 1 else "shape-mismatch"
     return kind, culprits, wording.divergence_summary(kind, key, present, culprits, positions)
+
+
+def split_mismatch(present: dict[int, Op]) -> list[tuple[int, int, int, int]]:
+    """The all_to_all_single split sizes that do not pair up, as (sender, receiver, rows sent,
+    rows expected): rank i's input split j must equal rank j's output split i, in group ranks
+    (the members in order; torch sorts a group's ranks). [] unless every member's call is known
+    with its splits (a list not given: equal splits of its tensor's rows)."""
+    ops = list(present.values())
+    if not ops or any(canonical_op(op.op) not in SPLIT_OPS or op.splits is None for op in ops):
+        return []
+    members = sorted(present)
+    sizes = {rank: _splits(op, len(members)) for rank, op in present.items()}
+    if any(found is None for found in sizes.values()):
+        return []
+    pairs = []
+    for i, sender in enumerate(members):
+        for j, receiver in enumerate(members):
+            sent, expected = sizes[sender][1][j], sizes[receiver][0][i]
+            if sent != expected:
+                pairs.append((sender, receiver, sent, expected))
+    return pairs
+
+
+def _splits(op: Op, members: int) -> tuple[list[int], list[int]] | None:
+    """(output splits, input splits) of a call on ``members`` ranks (None when they cannot be
+    told: a list of another length, rows that do not split evenly)."""
+    out_rows, outs, ins = op.splits or (None, None, None)
+    in_rows = op.shapes[0][0] if op.shapes and op.shapes[0] else None
+
+    def given_or_even(sizes: list | None, rows: int | None) -> list[int] | None:
+        if sizes is not None:
+            return sizes if len(sizes) == members else None
+        return [rows // members] * members if isinstance(rows, int) and rows % members == 0 else None
+
+    outs, ins = given_or_even(outs, out_rows), given_or_even(ins, in_rows)
+    return None if outs is None or ins is None else (outs, ins)
+
+
+def _split_culprits(present: dict[int, Op], pairs: list[tuple[int, int, int, int]]) -> list[int]:
+    """Who passed the split sizes that do not pair up: the ranks unlike a strict majority in what
+    they passed, else the ranks in the most unmatched pairs."""
+    passed: dict[str, list[int]] = {}
+    for rank, op in sorted(present.items()):
+        passed.setdefault(repr(op.splits), []).append(rank)
+    largest = max(passed.values(), key=len)
+    if len(largest) * 2 > len(present):
+        return [rank for rank in sorted(present) if rank not in largest]
+    counts = {rank: sum(rank in pair[:2] for pair in pairs) for rank in present}
+    most = max(counts.values())
+    return sorted(rank for rank, count in counts.items() if count == most)
 
 
 def _odd_ones_out(groups: dict[tuple, list[int]], present: dict[int, Op], histories, key) -> list[int]:
@@ -542,7 +609,7 @@ def _own_errors(positions: dict[int, Position]) -> list[int]:
     rejecting a rank's split sizes, torch its tensor), when no rank ended otherwise: the cause."""
     return [pos.rank for pos in positions.values()
             if pos.state == "exited" and pos.victim and pos.op is not None and not pos.timed_out
-            and pos.op.error and not _COMM_ERROR.search(wording.short_error(pos.op.error))]
+            and pos.op.error and not _is_comm_error(wording.short_error(pos.op.error))]
 
 
 def _p2p_waits(positions: dict[int, Position]):

@@ -45,6 +45,7 @@ class Op:
     source: str = "python"
     peer: int | None = None  # a send's destination or a recv's source (global rank)
     root: int | None = None  # a rooted collective's src or dst (global rank), as Python passed it
+    splits: list | None = None  # all_to_all_single's [output rows, output splits, input splits]
 
     def signature(self) -> tuple:
         """What must agree across ranks at one sequence number: the op, then shapes and dtypes."""
@@ -53,6 +54,10 @@ class Op:
 
 def _rank_or_none(value: Any) -> int | None:
     return value if isinstance(value, int) and not isinstance(value, bool) else None
+
+
+def _splits_or_none(value: Any) -> list | None:
+    return value if isinstance(value, list) and len(value) == 3 else None
 
 
 def _shape_key(op: Op) -> tuple:
@@ -107,7 +112,7 @@ class RankView:
                 dtypes=event.get("dtypes"), where=event.get("where"), file=event.get("file"),
                 line=event.get("line"), start=event["t"], p2p=bool(event.get("p2p")),
                 async_=bool(event.get("async")), peer=_rank_or_none(event.get("peer")),
-                root=_rank_or_none(event.get("root")))
+                root=_rank_or_none(event.get("root")), splits=_splits_or_none(event.get("splits")))
         if len(self.order) == self.order.maxlen:  # forgotten, open or not (an isend never waited for)
             self.ops.pop(self.order[0], None)
             self.open.pop(self.order[0], None)

@@ -69,6 +69,11 @@ KNOWN_ERRORS = [
 ]
 
 
+SPLIT_CURE = (
+    "Send each rank the split sizes it will receive before the data: an all_to_all_single of a tensor "
+    "of this rank's input_split_sizes gives every rank its output_split_sizes (rank i's input split j "
+    "is rank j's output split i); pass both lists to the data's all_to_all_single.")
+
 CROSSED_P2P_CURE = (
     "Order each pair's send and recv oppositely (the lower rank sends first and the higher receives "
     "first), or post both with dist.isend / dist.irecv (or dist.batch_isend_irecv) and then wait on them.")
@@ -78,11 +83,12 @@ OBJECT_LIST_CURE = (
     "source rank, placeholders of the same count elsewhere (object_list = [None] * n).")
 
 
-def fix(kind: str, culprits: list[Position]) -> str:
+def fix(kind: str, culprits: list[Position], cures: list[str] | None = None) -> str:
     """What to do: the kind's fix, after the cure for a culprit's known error when there is one (and
-    for crossed sends or recvs, the only collective-mismatch whose culprits wait in p2p ops)."""
-    known = [cure for pattern, cure in KNOWN_ERRORS
-             if any(pattern.search(pos.detail or "") for pos in culprits)]
+    for crossed sends or recvs, the only collective-mismatch whose culprits wait in p2p ops), and
+    after ``cures`` the evidence told (split sizes that do not pair up)."""
+    known = [*(cures or []), *(cure for pattern, cure in KNOWN_ERRORS
+                               if any(pattern.search(pos.detail or "") for pos in culprits))]
     crossed = culprits and all(pos.op is not None and pos.op.p2p for pos in culprits)
     if kind == "collective-mismatch" and crossed:
         known.append(CROSSED_P2P_CURE)
@@ -213,6 +219,25 @@ def ranks_text(ranks: list[int]) -> str:
     if len(ranks) == 1:
         return f"Rank {ranks[0]}"
     return "Ranks " + ", ".join(str(r) for r in ranks[:-1]) + f" and {ranks[-1]}"
+
+
+def split_summary(key: tuple[str, int], present: dict[int, Op],
+                  pairs: list[tuple[int, int, int, int]], culprits: list[int]) -> str:
+    """all_to_all_single's split sizes that do not pair up: who sends how many rows to whom, and how
+    many the receiver expects."""
+    site = next((op.where for op in present.values() if op.where), None)
+    shown = [pair for pair in pairs if pair[0] in culprits or pair[1] in culprits] or pairs
+    parts = [f"rank {sender} sends {_rows(sent)} to rank {receiver}, which expects {expected}"
+             for sender, receiver, sent, expected in shown[:4]]
+    more = f" ({len(shown) - 4} more pairs)" if len(shown) > 4 else ""
+    return (f"Ranks called all_to_all_single{f' at {site}' if site else ''} (collective #{key[1]}) with "
+            "split sizes that do not pair up: " + "; ".join(parts) + f"{more}. {ranks_text(culprits)} "
+            f"passed split sizes unlike the others'. Rank i's input split j must equal rank j's output "
+            "split i.")
+
+
+def _rows(count: int) -> str:
+    return f"{count} row" if count == 1 else f"{count} rows"
 
 
 def divergence_summary(kind: str, key: tuple[str, int], present: dict[int, Op], culprits: list[int],

@@ -41,7 +41,7 @@ from pathlib import Path
 from typing import Any
 
 from helpers import rundir
-from helpers.collectives import ASYNC_OPS, MULTI_OPS, OBJECT_LISTS, OPS, P2P_OPS, ROOTS
+from helpers.collectives import ASYNC_OPS, MULTI_OPS, OBJECT_LISTS, OPS, P2P_OPS, ROOTS, SPLIT_OPS
 from helpers.trace.callsites import site_json, user_files, user_frame
 
 FLUSH_S = 0.05  # the helper thread writes the queued records this often
@@ -400,7 +400,7 @@ def _wrap(name: str, original: Callable, plan: _Plan) -> Callable:
     """
     group_at, async_at, compared_at, peer_at = plan.group, plan.async_op, plan.compared, plan.peer_at
     multi, seen, now, caller = plan.multi, plan.seen, time.time, sys._getframe
-    always_async = plan.always_async
+    always_async, split_sizes = plan.always_async, plan.split_sizes
     default_group, inner = _default_group_reader(), _inner_codes
 
     @functools.wraps(original)
@@ -429,6 +429,8 @@ def _wrap(name: str, original: Callable, plan: _Plan) -> Callable:
         blocking = not (asked_async or always_async)
         tensors = args[compared_at[0]] if compared_at[0] < count else kwargs.get(compared_at[1])
         peer = args[peer_at[0]] if peer_at[0] < count else kwargs.get(peer_at[1])
+        if split_sizes is not None:  # all_to_all_single: its split sizes where a peer would be
+            peer = split_sizes(args, kwargs)
         code, offset = (frame.f_code, frame.f_lasti) if frame is not None else (None, 0)
         queue = tracer.queue
         item = [_OP, op_id, plan, group, seq, blocking, tensors, peer, code, offset, now(), None,
@@ -506,6 +508,7 @@ class _Plan:
         self.always_async = name in ASYNC_OPS  # returns a work to wait on, with no async_op to say so
         self.multi = name in MULTI_OPS
         self.objects = name in OBJECT_LISTS  # its compared argument is a list of objects: its length
+        self.split_sizes = _split_sizes if name in SPLIT_OPS else None  # read into the peer's place
         self.seen: set[tuple] = set()  # (group, code, offset, nbytes) of the calls made
 
     def remember(self, signature: tuple) -> None:
@@ -529,9 +532,28 @@ class _Plan:
         fields += _objects_json(tensors) if self.objects else _tensors_json(tensors)
         if self.has_peer:
             fields += f',"{self.peer_field}":{json.dumps(_integer(peer))}'
+        elif self.split_sizes is not None:
+            fields += f',"splits":{json.dumps(peer)}'
         if not blocking:
             fields += ',"async":true'
         return fields
+
+
+def _split_sizes(args: tuple, kwargs: dict) -> list | None:
+    """all_to_all_single's ``[output rows, output_split_sizes, input_split_sizes]`` (a list given as
+    None: equal splits), as plain ints: the queue keeps neither the output nor torch's objects."""
+    try:
+        output = args[0] if args else kwargs.get("output")
+        outs = args[2] if len(args) > 2 else kwargs.get("output_split_sizes")
+        ins = args[3] if len(args) > 3 else kwargs.get("input_split_sizes")
+        rows = int(output.shape[0]) if getattr(output, "ndim", 0) else None
+        return [rows, _ints(outs), _ints(ins)]
+    except (TypeError, ValueError, AttributeError, IndexError):  # torch will say what is wrong
+        return None
+
+
+def _ints(sizes: Any) -> list[int] | None:
+    return None if sizes is None else [int(n) for n in sizes]
 
 
 def _integer(value: Any) -> Any:
