@@ -497,6 +497,21 @@ def test_a_rank_waiting_outside_torch_is_said_to_wait_for_what_it_waits_for(left
     leftovers.check()
 
 
+def test_what_a_rank_waits_for_is_read_from_the_library_calls_below_its_line():
+    def frame(file, func, user=False):
+        return {"file": file, "func": func, "line": 3, "user": user, "where": f"{Path(file).name}:3"}
+
+    lib = "/usr/lib/python3.11"
+    mine = frame("/work/train.py", "main", user=True)
+    queue_get = [frame("/r/runpy.py", "_run_code"), mine, frame(f"{lib}/queue.py", "get"),
+                 frame(f"{lib}/threading.py", "wait")]
+    assert wording.waiting_for(mine, queue_get) == "waiting on a queue"  # not its Condition's wait
+    threads = f"{lib}/threading.py"
+    joined = [mine, frame(threads, "join"), frame(threads, "_wait_for_tstate_lock")]
+    assert wording.waiting_for(mine, joined) == "waiting for a thread to end"
+    assert wording.waiting_for(mine, [frame(threads, "wait"), mine]) is None  # above its line: not its wait
+
+
 def _native_sleep_on_rank_one():
     import ctypes
 

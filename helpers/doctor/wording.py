@@ -157,9 +157,9 @@ _WAITS = (
     ("/subprocess.py", None, "waiting for a child process"),
     ("/concurrent/futures/", None, "waiting for a future's result"),
     ("/multiprocessing/pool.py", None, "waiting for a multiprocessing pool"),
+    ("/queue.py", None, "waiting on a queue"),  # a queue waits on a threading Condition
     ("/threading.py", {"join", "_wait_for_tstate_lock"}, "waiting for a thread to end"),
     ("/threading.py", None, "waiting on a threading Event, Condition or Barrier"),
-    ("/queue.py", None, "waiting on a queue"),
     ("/multiprocessing/", None, "waiting on another process (multiprocessing)"),
     ("/socket.py", None, "waiting on the network"),
     ("/ssl.py", None, "waiting on the network"),
