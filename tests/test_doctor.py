@@ -37,6 +37,13 @@ def _stay_away(seconds: float = 60) -> None:
         time.sleep(0.05)
 
 
+def _failed_run(function, num_processes: int = 2) -> doctor.Diagnosis:
+    """The diagnosis of a run of ``function`` that fails (a rank raises or is killed)."""
+    with pytest.raises(RankError) as info:
+        doctor.launch(function, num_processes=num_processes, timeout_s=60, stall_s=1.5)
+    return info.value.diagnosis
+
+
 def _skip_barrier_on_rank_one():
     import torch.distributed as dist
 
@@ -163,9 +170,7 @@ def _ring_rank_forgets_a_send():
 
 
 def test_a_rank_that_sent_one_message_fewer_is_named_when_its_peer_is_left_waiting(leftovers):
-    with pytest.raises(RankError) as info:
-        doctor.launch(_ring_rank_forgets_a_send, num_processes=3, timeout_s=60, stall_s=1.5)
-    found = info.value.diagnosis
+    found = _failed_run(_ring_rank_forgets_a_send, num_processes=3)
     assert (found.kind, found.ranks) == ("rank-exited", [1]), found.summary
     waiting = found.per_rank[2]
     assert (waiting.op, waiting.location) == ("batch_isend_irecv", f"{HERE}:{_line('ring wait')}")
@@ -183,9 +188,7 @@ def _all_gather_into_a_list_of_its_own():
 
 
 def test_an_error_of_a_ranks_own_inside_a_collective_makes_it_the_culprit_not_a_victim(leftovers):
-    with pytest.raises(RankError) as info:
-        doctor.launch(_all_gather_into_a_list_of_its_own, num_processes=2, timeout_s=60, stall_s=1.5)
-    found = info.value.diagnosis
+    found = _failed_run(_all_gather_into_a_list_of_its_own)
     assert (found.kind, found.ranks) == ("rank-exited", [1]), found.summary
     site = f"{HERE}:{_line('gather list')}"
     assert found.summary.startswith("Rank 1 raised RuntimeError: ProcessGroupGloo::allgather: invalid output "
@@ -205,9 +208,7 @@ def _all_to_all_with_splits_of_its_own():
 
 def test_all_to_all_split_sizes_that_do_not_pair_up_name_the_rank_that_passed_them(leftovers):
     # rank i's input split j must be rank j's output split i: rank 1 sends 3 rows where 2 are expected
-    with pytest.raises(RankError) as info:
-        doctor.launch(_all_to_all_with_splits_of_its_own, num_processes=2, timeout_s=60, stall_s=1.5)
-    found = info.value.diagnosis
+    found = _failed_run(_all_to_all_with_splits_of_its_own)
     assert (found.kind, found.ranks) == ("shape-mismatch", [1]), found.summary
     site = f"{HERE}:{_line('a2a')}"
     assert found.summary.startswith(f"Ranks called all_to_all_single at {site} (collective #1) "
@@ -274,9 +275,7 @@ def _ddp_rank_skips_a_layer():
 
 
 def test_ddp_parameters_unused_on_one_rank_are_named_with_the_ddp_fix(leftovers):
-    with pytest.raises(RankError) as info:
-        doctor.launch(_ddp_rank_skips_a_layer, num_processes=2, timeout_s=60, stall_s=1.5)
-    found = info.value.diagnosis
+    found = _failed_run(_ddp_rank_skips_a_layer)
     assert (found.kind, found.ranks) == ("rank-exited", [1])
     assert found.summary.startswith("Rank 1 raised RuntimeError: Expected to have finished reduction in the "
                                     "prior iteration"), found.summary
