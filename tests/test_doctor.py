@@ -21,7 +21,7 @@ from conftest import marker_line
 from helpers import collectives, doctor, scenarios
 from helpers.doctor import diagnosis as diagnosis_module
 from helpers.doctor import source, wording
-from helpers.launch import LaunchTimeout, RankError, launch
+from helpers.launch import LaunchTimeout, RankError, RankExited, launch
 
 HERE = Path(__file__).name
 
@@ -38,8 +38,8 @@ def _stay_away(seconds: float = 60) -> None:
 
 
 def _failed_run(function, num_processes: int = 2) -> doctor.Diagnosis:
-    """The diagnosis of a run of ``function`` that fails (a rank raises or is killed)."""
-    with pytest.raises(RankError) as info:
+    """The diagnosis of a run of ``function`` that fails (a rank raises, or ends without a result)."""
+    with pytest.raises((RankError, RankExited)) as info:
         doctor.launch(function, num_processes=num_processes, timeout_s=60, stall_s=1.5)
     return info.value.diagnosis
 
@@ -494,6 +494,69 @@ def test_a_rank_waiting_outside_torch_is_said_to_wait_for_what_it_waits_for(left
             f"rank 3 is waiting to acquire a lock at {HERE}:{_line('lock')}.") in found.summary, found.summary
     assert found.fix.startswith(wording.DATALOADER_CURE)
     leftovers.check()
+
+
+class _BadRows:
+    """Rows of which rank 1's fourth is corrupt: its worker raises."""
+
+    def __len__(self):
+        return 6
+
+    def __getitem__(self, index):
+        import torch.distributed as dist
+
+        if index == 3 and dist.get_rank() == 1:
+            raise ValueError("corrupt row 3")  # line: corrupt
+        return index
+
+
+def _read_rows():
+    import torch
+    import torch.distributed as dist
+    from torch.utils.data import DataLoader
+
+    for batch in DataLoader(_BadRows(), batch_size=1, num_workers=1):  # line: rows
+        dist.all_reduce(torch.as_tensor(batch, dtype=torch.float32))
+
+
+def _read_rows_and_lose_a_worker():
+    import torch.distributed as dist
+    from torch.utils.data import DataLoader
+
+    rows = iter(DataLoader(list(range(6)), batch_size=1, num_workers=1))
+    dist.all_reduce(next(rows).float())
+    if dist.get_rank() == 1:  # its worker killed, as by the out-of-memory killer, between two batches:
+        psutil.Process().children()[0].kill()  # torch's SIGCHLD handler raises in the rank at once
+        _stay_away(10)
+    for batch in rows:
+        dist.all_reduce(batch.float())
+
+
+def test_a_dataloader_workers_error_is_said_as_the_workers_and_a_dead_worker_gets_its_cure(leftovers):
+    # torch raises the worker's error again in the rank as 'Caught ValueError in DataLoader worker
+    # process 0.' with the worker's traceback as text: the record keeps the worker's error and line
+    found = _failed_run(_read_rows)
+    assert (found.kind, found.ranks) == ("rank-exited", [1]), found.summary
+    worker = f"(in DataLoader worker process 0, at {HERE}:{_line('corrupt')} in __getitem__)"
+    assert f"Rank 1 raised ValueError: corrupt row 3 {worker} at {HERE}:{_line('rows')}" in found.summary, \
+        found.summary
+    found = _failed_run(_read_rows_and_lose_a_worker)
+    assert (found.kind, found.ranks) == ("rank-exited", [1]), found.summary
+    assert "Rank 1 raised RuntimeError: DataLoader worker (pid" in found.summary, found.summary
+    assert found.fix.startswith("A DataLoader worker process of that rank died without a Python"), found.fix
+    leftovers.check()
+
+
+def test_a_communication_error_is_told_from_a_ranks_own_and_from_pythons_pipes():
+    is_comm = diagnosis_module._is_comm_error
+    assert is_comm("RuntimeError: [../gloo/transport/tcp/pair.cc:553] Connection closed by peer")
+    assert is_comm("DistBackendError: NCCL communicator was aborted on rank 1.")
+    # the backend names itself in errors about the rank's own arguments too
+    assert not is_comm("RuntimeError: ProcessGroupGloo::allgather: invalid output tensor list at index 0 "
+                       "(expected length 2, got 3)")
+    # Python's own: a DataLoader's pipe to a worker that died
+    assert not is_comm("ConnectionResetError: [Errno 104] Connection reset by peer (reading from its "
+                       "DataLoader's worker processes)")
 
 
 def test_what_a_rank_waits_for_is_read_from_the_library_calls_below_its_line():

@@ -280,9 +280,16 @@ _ARGUMENT_ERROR = re.compile(r"invalid|expected|must (be|have|match)|does ?n[o']
                              r"unsupported|not supported", re.IGNORECASE)
 
 
+# Python's own socket and pipe errors are never the process group's (torch raises its own types):
+# a rank's DataLoader pipe broken by a dead worker is one ('ConnectionResetError: [Errno 104] ...')
+_PYTHON_OS_ERROR = re.compile(r"^(ConnectionResetError|BrokenPipeError|ConnectionAbortedError|"
+                              r"ConnectionRefusedError|EOFError):")
+
+
 def _is_comm_error(error: str) -> bool:
     """Does an error say the communication failed (a peer gone, a timeout), not the call itself?"""
-    return bool(_COMM_ERROR.search(error)) and not _ARGUMENT_ERROR.search(error)
+    return (bool(_COMM_ERROR.search(error)) and not _ARGUMENT_ERROR.search(error)
+            and not _PYTHON_OS_ERROR.match(error))
 
 
 def _failed_inside(view: RankView, error: str | None) -> Op | None:

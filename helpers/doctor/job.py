@@ -134,7 +134,7 @@ def _exit_record(code: int, error: BaseException | None) -> dict[str, Any]:
     if isinstance(error, KeyboardInterrupt):  # Ctrl-C: stopped on purpose, not a crash to diagnose
         record.update(status="stopped", by="Ctrl-C (KeyboardInterrupt)")
     elif error is not None:
-        record["error"] = redact.redact_text(f"{type(error).__name__}: {error}"[:800])
+        record["error"] = redact.redact_text(trace.error_text(error))
         record.update(trace.traceback_site(error.__traceback__) or {})
     return record
 

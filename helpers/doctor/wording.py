@@ -14,6 +14,7 @@ from helpers import params
 from helpers.collectives import OBJECT_LISTS, ROOTS, canonical_op
 from helpers.doctor.records import Op, Position
 from helpers.doctor.source import enclosing_loop, source_line
+from helpers.trace.callsites import DATALOADER_FILE, DATALOADER_READ
 
 NB_REPRO, NB_EARLY_STOP, NB_MEMORY = params.NB_REPRO, params.NB_EARLY_STOP, params.NB_MEMORY
 
@@ -45,7 +46,6 @@ FIXES = {
 
 # errors whose cause is known, by the first sentence a culprit raised: what to do first. Each message
 # is torch's own (2.13): DDP's reducer (reducer.cpp) and the caching allocator (CUDACachingAllocator.cpp).
-DATALOADER_FILE = "/torch/utils/data/dataloader.py"
 _WORKER_LOOP_FILE = "/torch/utils/data/_utils/worker.py"
 DATALOADER_WAIT = "waiting for a batch from its DataLoader's worker processes"
 DATALOADER_CURE = (
@@ -62,6 +62,12 @@ KNOWN_ERRORS = [
      "DistributedDataParallel (with accelerate: Accelerator(kwargs_handlers="
      "[DistributedDataParallelKwargs(find_unused_parameters=True)]), which costs a graph walk per step)."),
     (re.compile(re.escape(DATALOADER_WAIT)), DATALOADER_CURE),
+    (re.compile(r"DataLoader worker \(pid.*(exited unexpectedly|is killed by signal)|"
+                + re.escape(DATALOADER_READ)),
+     "A DataLoader worker process of that rank died without a Python error: killed (often by the "
+     "out-of-memory killer: fewer workers, smaller batches) or, in a container, out of shared memory: "
+     "the workers hand batches over through /dev/shm, which Docker makes 64 MB unless told otherwise "
+     "(run it with --ipc=host or --shm-size, as PyTorch's README says for its own images)."),
     (re.compile(r"CUDA out of memory|OutOfMemoryError"),
      f"CUDA ran out of memory on that rank: {NB_MEMORY} finds the largest batch that fits; "
      "PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True helps when the error says much memory is "
@@ -232,8 +238,8 @@ def split_summary(key: tuple[str, int], present: dict[int, Op],
     more = f" ({len(shown) - 4} more pairs)" if len(shown) > 4 else ""
     return (f"Ranks called all_to_all_single{f' at {site}' if site else ''} (collective #{key[1]}) with "
             "split sizes that do not pair up: " + "; ".join(parts) + f"{more}. {ranks_text(culprits)} "
-            f"passed split sizes unlike the others'. Rank i's input split j must equal rank j's output "
-            "split i.")
+            "passed split sizes that do not match the others'. Rank i's input split j must equal rank "
+            "j's output split i.")
 
 
 def _rows(count: int) -> str:

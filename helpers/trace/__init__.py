@@ -39,7 +39,14 @@ from pathlib import Path
 from typing import Any, NoReturn
 
 from helpers.trace import tracer as _tracing
-from helpers.trace.callsites import describe_stack, is_user_frame, label, traceback_site, user_frame
+from helpers.trace.callsites import (
+    describe_stack,
+    error_text,
+    is_user_frame,
+    label,
+    traceback_site,
+    user_frame,
+)
 from helpers.trace.helper import (
     FR_TAIL,
     POLL_S,
@@ -58,9 +65,9 @@ from helpers.trace.helper import (
 from helpers.trace.tracer import FLUSH_S, Tracer
 
 __all__ = ["FLUSH_S", "FR_BUFFER_SIZE", "FR_STACK_TRACE", "FR_TAIL", "POLL_S", "STACKS_REQUEST", "Tracer",
-           "ask", "describe_stack", "dump_stacks", "finish", "flight_recorder", "flight_recorder_tail",
-           "flush", "group_progress", "install", "is_user_frame", "label", "rank_state", "save_state",
-           "settle", "traceback_site", "user_frame", "write_state"]
+           "ask", "describe_stack", "dump_stacks", "error_text", "finish", "flight_recorder",
+           "flight_recorder_tail", "flush", "group_progress", "install", "is_user_frame", "label",
+           "rank_state", "save_state", "settle", "traceback_site", "user_frame", "write_state"]
 
 FR_BUFFER_SIZE = "256"  # Flight Recorder entries kept per rank (unless the user set a size)
 # The Flight Recorder gathers a stack for every entry unless told not to: about 15 us of CPU (30 us
@@ -125,7 +132,7 @@ def finish(status: str, error: BaseException | None = None) -> None:
         return
     record: dict[str, Any] = {"ev": "exit", "status": status, "t": time.time(), "pg": group_progress()}
     if error is not None:
-        record["error"] = f"{type(error).__name__}: {error}"[:800]
+        record["error"] = error_text(error)
         site = traceback_site(error.__traceback__)
         if site:
             record.update(site)

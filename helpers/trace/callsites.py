@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import sys
 from typing import Any
 
@@ -106,3 +107,40 @@ def traceback_site(tb: Any) -> dict[str, Any] | None:
                     "where": label(code.co_filename, tb.tb_lineno)}
         tb = tb.tb_next
     return site
+
+
+ERROR_CHARS = 800  # an error's text kept in a record
+DATALOADER_FILE = "/torch/utils/data/dataloader.py"
+DATALOADER_READ = "reading from its DataLoader's worker processes"
+_WORKER_ERROR = re.compile(r"^Caught (?P<type>\w+) in (?P<worker>DataLoader worker process \d+)\.\s*"
+                           r"Original Traceback \(most recent call last\):\n(?P<trace>.*)", re.DOTALL)
+_TRACE_FRAME = re.compile(r'^\s*File "(?P<file>[^"]+)", line (?P<line>\d+), in (?P<func>\S+)', re.MULTILINE)
+
+
+def error_text(error: BaseException) -> str:
+    """``Type: message`` of an exception, ``ERROR_CHARS`` at most. An error a DataLoader worker raised
+    and torch raised again in the rank ('Caught ValueError in DataLoader worker process 0.' and the
+    worker's traceback as text) is said as the worker's own, with the user's line it came from:
+    'ValueError: corrupt row 3 (in DataLoader worker process 0, at data.py:12 in __getitem__)'. An
+    OSError raised while reading from the workers (a worker killed as the pipe was read) says so."""
+    text = f"{type(error).__name__}: {error}"
+    if isinstance(error, (OSError, EOFError)) and _passes_through(error.__traceback__, DATALOADER_FILE):
+        text += f" ({DATALOADER_READ})"  # its worker died under it: the pipe to it broke
+    found = _WORKER_ERROR.match(str(error))
+    if found is not None:
+        lines = [line for line in found["trace"].splitlines() if line.strip()]
+        last = lines[-1].strip() if lines else found["type"]
+        frames = [m for m in _TRACE_FRAME.finditer(found["trace"]) if is_user_code(m["file"])]
+        site = ""
+        if frames:
+            site = f", at {label(frames[-1]['file'], int(frames[-1]['line']))} in {frames[-1]['func']}"
+        text = f"{last} (in {found['worker']}{site})"
+    return text[:ERROR_CHARS]
+
+
+def _passes_through(tb: Any, ending: str) -> bool:
+    while tb is not None:
+        if tb.tb_frame.f_code.co_filename.replace("\\", "/").endswith(ending):
+            return True
+        tb = tb.tb_next
+    return False
