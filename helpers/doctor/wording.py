@@ -44,8 +44,6 @@ FIXES = {
 }
 
 
-# errors whose cause is known, by the first sentence a culprit raised: what to do first. Each message
-# is torch's own (2.13): DDP's reducer (reducer.cpp) and the caching allocator (CUDACachingAllocator.cpp).
 _WORKER_LOOP_FILE = "/torch/utils/data/_utils/worker.py"
 DATALOADER_WAIT = "waiting for a batch from its DataLoader's worker processes"
 DATALOADER_CURE = (
@@ -54,6 +52,9 @@ DATALOADER_CURE = (
     "raise after S seconds instead; num_workers=0 loads in the rank itself, where the doctor shows "
     "the dataset's line.")
 
+# errors whose cause is known, by the first sentence a culprit raised (or what it waits for): what to do
+# first. Each message is torch's own (2.13): DDP's reducer (reducer.cpp), the DataLoader
+# (torch/utils/data/dataloader.py) and the caching allocator (CUDACachingAllocator.cpp).
 KNOWN_ERRORS = [
     (re.compile(r"Expected to have finished reduction in the prior iteration"),
      "DDP: some parameters got no gradient on that rank in the last step (a branch of the model it "
