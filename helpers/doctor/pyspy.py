@@ -35,7 +35,7 @@ from helpers import report
 from helpers.collectives import OPS
 from helpers.doctor.diagnosis import Diagnosis, diagnose
 from helpers.doctor.records import Op, RankView
-from helpers.doctor.wording import DATALOADER_FILE, issued_by
+from helpers.doctor.wording import DATALOADER_FILE, issued_by, runs_in
 from helpers.sites import is_user_code
 
 PY_SPY_TIMEOUT_S = 20.0
@@ -272,7 +272,7 @@ def dataloader_workers(ranks: dict[Any, tuple[int, list[dict[str, Any]]]],
 
     children: dict[int, Any] = {}  # child pid -> its rank
     for rank, (pid, stack) in ranks.items():
-        if any(_runs_in_dataloader(frame) for frame in stack):
+        if any(runs_in(frame, DATALOADER_FILE) for frame in stack):
             try:
                 children.update({child.pid: rank for child in psutil.Process(pid).children()})
             except psutil.Error:
@@ -281,10 +281,6 @@ def dataloader_workers(ranks: dict[Any, tuple[int, list[dict[str, Any]]]],
     for child, frames in sorted(read_stacks({pid: pid for pid in children}, timeout_s).items()):
         found.setdefault(children[child], []).append({"pid": child, "frames": frames})
     return found
-
-
-def _runs_in_dataloader(frame: dict[str, Any]) -> bool:
-    return str(frame.get("file", "")).replace("\\", "/").endswith(DATALOADER_FILE)
 
 
 def faulthandler_text(frames: list[dict[str, Any]]) -> str:

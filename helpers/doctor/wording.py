@@ -185,7 +185,7 @@ def waiting_for(frame: dict[str, Any], stack: list[dict[str, Any]]) -> str | Non
     index = next((i for i, f in enumerate(stack) if f is frame), None)
     called = stack[index + 1:] if index is not None else []
     for ending, funcs, text in _WAITS:
-        if any(_runs_in(f, ending, funcs) for f in called):
+        if any(runs_in(f, ending, funcs) for f in called):
             return text
     if not called:  # nothing in Python below the user's line: what its line says
         line = source_line(frame)
@@ -200,7 +200,7 @@ def workers_text(workers: list[dict[str, Any]]) -> str:
     parts = []
     for worker in workers:
         frames = worker.get("frames") or []
-        loop = max((i for i, f in enumerate(frames) if _runs_in(f, _WORKER_LOOP_FILE, None)), default=None)
+        loop = max((i for i, f in enumerate(frames) if runs_in(f, _WORKER_LOOP_FILE)), default=None)
         below = frames[loop + 1:] if loop is not None else []
         user = next((f for f in reversed(below) if f.get("user")), None)
         if user is not None:
@@ -208,7 +208,8 @@ def workers_text(workers: list[dict[str, Any]]) -> str:
     return "; ".join(parts)
 
 
-def _runs_in(frame: dict[str, Any], ending: str, funcs: set[str] | None) -> bool:
+def runs_in(frame: dict[str, Any], ending: str, funcs: set[str] | None = None) -> bool:
+    """Is a stack frame in a file whose path contains ``ending`` (one of ``funcs``, when given)?"""
     path = str(frame.get("file", "")).replace("\\", "/")
     return ending in path and (funcs is None or frame.get("func") in funcs)
 
