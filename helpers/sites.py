@@ -37,6 +37,8 @@ def is_user_code(filename: str, module: str | None = None) -> bool:
 
 
 def _user_module(module: str, filename: str) -> bool:
+    if filename.startswith(HELPERS_DIR) and not filename.startswith(SCENARIOS_DIR):
+        return False  # this package, also its entry points run as __main__ (python -m helpers.doctor)
     if module == "__main__" or module.startswith(USER_PACKAGES):
         return True
     if module.split(".")[0] in LIBRARY_PACKAGES or filename.startswith("<frozen"):

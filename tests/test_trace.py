@@ -382,6 +382,9 @@ def test_user_code_is_told_apart_from_libraries():
     assert not is_user_code("/x/torch/nn/parallel/distributed.py", "torch.nn.parallel.distributed")
     assert not is_user_code("/x/accelerate/state.py", "accelerate.state")
     assert not is_user_code("/repo/helpers/launch/runner.py", "helpers.launch.runner")
+    # the doctor's own entry point runs as __main__ below the script (python -m helpers.doctor)
+    assert not is_user_code(sites.HELPERS_DIR + "doctor/__main__.py", "__main__")
+    assert is_user_code(sites.SCENARIOS_DIR + "dead_rank.py", "__main__")
     assert not is_user_code(os.path.join(sites.STDLIB[0], "contextlib.py"), "contextlib")
     # from a path alone (stack text, tracebacks): site-packages is a library
     assert is_user_code("/home/me/train.py") and is_user_code("/repo/helpers/scenarios/healthy.py")

@@ -122,9 +122,10 @@ def run_rank(job: JobEnv, options: JobOptions, command: list[str]) -> NoReturn:
     watchdog.start()
     os._exit = watchdog.script_exits  # type: ignore[assignment] - a script's own os._exit says so first
     code, error = run_as_main(command)
+    watchdog.ended(_exit_record(code, error))  # before the traceback: SIGTERM may come meanwhile
     if error is not None:
         traceback.print_exception(error)
-    watchdog.ended(_exit_record(code, error))
+    watchdog.wait_for_verdict()
     _leave(watchdog.code_after_end(code), from_main=True)
 
 
@@ -201,6 +202,7 @@ class Watchdog(threading.Thread):
         self.failures = 0  # store calls that failed in a row
         self.punched = 0  # bytes of the in-memory trace already read and given back
         self.beats = 0
+        self.site: dict[str, Any] | None = None  # the main thread's user line at the latest beat
         self.exit: dict[str, Any] | None = None
         self.exit_mono: float | None = None
         self.answered = 0
@@ -416,9 +418,15 @@ class Watchdog(threading.Thread):
                 "wait": None if since is None else round(now - since, 3),
                 "idle": None if done is None else round(now - done, 3),
                 "pending": self.view.pending_seq(), "last": self.view.last_seq(),
-                "progress": self.view.progress, "recs": opened + recent, "site": _main_site(),
+                "progress": self.view.progress, "recs": opened + recent, "site": self._latest_site(),
                 "exit": self.exit, "ended_ago": None if self.exit_mono is None
                 else round(time.monotonic() - self.exit_mono, 3)}
+
+    def _latest_site(self) -> dict[str, Any] | None:
+        """The main thread's user line now, else the last one seen: a rank that failed and is
+        reporting its error runs only this package's code, and where it was is its last user line."""
+        self.site = _main_site() or self.site
+        return self.site
 
     def state(self, request: str) -> dict[str, Any]:
         """This rank's answer to the leader: stack, Flight Recorder tail, latest records, end."""
@@ -434,9 +442,14 @@ class Watchdog(threading.Thread):
     # -- how this rank ends -----------------------------------------------------------------
 
     def ended(self, record: dict[str, Any]) -> None:
-        """The script ended (``record``: how): say so, and wait for the verdict when one may come."""
+        """The script ended (``record``: how): the next heartbeat says so. Set before anything else
+        runs: a launcher's SIGTERM meanwhile would otherwise record the rank as stopped where it
+        was, this package's own exit path."""
         with self.lock:
             self.exit, self.exit_mono = record, time.monotonic()
+
+    def wait_for_verdict(self) -> None:
+        """After ``ended``: wait (``LINGER_S`` at most) for the verdict when one may come."""
         if self.board is None and not self.decided.is_set():
             return  # the store was never reached: nobody to wait for
         self.decided.wait(LINGER_S)
@@ -593,7 +606,8 @@ class Watchdog(threading.Thread):
 
 
 def _main_site() -> dict[str, Any] | None:
-    """The innermost user frame of the main thread (for a rank that later stops answering)."""
+    """The innermost user frame of the main thread (for a rank that later stops answering); None
+    where it runs none (before the script, or in this package's own exit path after it)."""
     main = threading.main_thread()
     frame = sys._current_frames().get(main.ident) if main.ident is not None else None
     user = trace.user_frame(frame) if frame is not None else None
