@@ -547,6 +547,54 @@ def test_a_dataloader_workers_error_is_said_as_the_workers_and_a_dead_worker_get
     leftovers.check()
 
 
+_CHILD_ENDS_AS_IT_IS_SAID = """
+import os, signal
+import torch.distributed as dist
+
+
+def on_child(signum, frame):  # as torch's DataLoader (torch/utils/data/_utils/signal_handling.py)
+    raise RuntimeError("DataLoader worker (pid 1) is killed by signal: Killed.")
+
+
+class CorruptRow(ValueError):
+    def __str__(self):  # read as the rank records its end: a child of the rank ends meanwhile
+        os.kill(os.getpid(), signal.SIGCHLD)
+        return "corrupt row 3"
+
+
+def main():
+    signal.signal(signal.SIGCHLD, on_child)
+    dist.barrier()
+    if dist.get_rank() == 1:
+        raise CorruptRow()
+    dist.barrier()
+
+
+if __name__ == "__main__":
+    dist.init_process_group("gloo")
+    main()
+"""
+
+
+def test_a_child_that_ends_while_a_rank_reports_its_error_leaves_the_error_said(tmp_path, leftovers):
+    # a DataLoader's SIGCHLD handler raises when a worker ends; one ending while the rank recorded
+    # its own error replaced it ('exit code 1, no exit record'): the script's handler is off by then
+    script = tmp_path / "rows.py"
+    script.write_text(_CHILD_ENDS_AS_IT_IS_SAID)
+    namespace: dict = {}
+    exec(compile(_CHILD_ENDS_AS_IT_IS_SAID.replace('if __name__ == "__main__"', "if False"), str(script),
+                 "exec"), namespace)
+    line = _CHILD_ENDS_AS_IT_IS_SAID.splitlines().index("        raise CorruptRow()") + 1
+    said = f"Rank 1 raised CorruptRow: corrupt row 3 at rows.py:{line}"
+    found = _failed_run(namespace["main"])  # a forked rank (helpers.launch.rank.rank_main)
+    assert said in found.summary, found.summary
+    done = _doctor_cli("--num-processes", "2", "--stall-s", "2", "--json", str(tmp_path / "d.json"), "--",
+                       str(script))  # a script run as __main__ (run_as_main: the job doctor's too)
+    data = json.loads((tmp_path / "d.json").read_text())
+    assert said in data["summary"], done.stderr[-2000:]
+    leftovers.check()
+
+
 def test_a_communication_error_is_told_from_a_ranks_own_and_from_pythons_pipes():
     is_comm = diagnosis_module._is_comm_error
     assert is_comm("RuntimeError: [../gloo/transport/tcp/pair.cc:553] Connection closed by peer")

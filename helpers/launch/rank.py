@@ -20,6 +20,7 @@ import os
 import signal
 import sys
 import tempfile
+import threading
 import traceback
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -132,9 +133,11 @@ def rank_main(spec: RankSpec, fn: Callable[..., Any], args: tuple, kwargs: dict)
         if spec.init_group:
             _init_group(spec)
         outcome = rundir.RankOutcome(True, fn(*args, **kwargs))
+        quiet_child_signals()
         if spec.trace:
             trace.finish("finished")
     except BaseException as exc:  # noqa: BLE001 - everything goes back to the caller
+        quiet_child_signals()
         outcome = rundir.RankOutcome.failure(exc, traceback.format_exc())
         if spec.trace:
             trace.finish("raised", exc)
@@ -210,15 +213,28 @@ def run_as_main(argv: list[str]) -> tuple[int, BaseException | None]:
             runpy.run_module(target, run_name="__main__", alter_sys=True)
         else:
             runpy.run_path(target, run_name="__main__")
+        quiet_child_signals()
         trace.finish("finished")
     except SystemExit as exc:
+        quiet_child_signals()
         code = _exit_code(exc.code)
         trace.finish("finished" if code == 0 else "exited")
         return code, None
     except BaseException as exc:  # noqa: BLE001 - the caller re-raises it
+        quiet_child_signals()
         trace.finish("raised", exc)
         return 1, exc
     return 0, None
+
+
+def quiet_child_signals() -> None:
+    """The user's code has ended: a SIGCHLD handler it left must not run inside how the rank records
+    that end. A DataLoader's raises 'DataLoader worker (pid N) is killed by signal' when one of its
+    workers ends (torch/utils/data/_utils/signal_handling.py), and a worker stopped while the rank
+    reported its error replaced that error and left no record of the end. Main thread only, where
+    Python runs its signal handlers."""
+    if threading.current_thread() is threading.main_thread() and callable(signal.getsignal(signal.SIGCHLD)):
+        signal.signal(signal.SIGCHLD, signal.SIG_DFL)
 
 
 def _exit_code(code: Any) -> int:
