@@ -69,6 +69,7 @@ ATEXIT_S = 5.0  # the script's exit handlers, when the doctor ends a rank from i
 CHILDREN_GRACE_S = 1.0  # a rank's own child processes, when the doctor ends it: SIGTERM, then SIGKILL
 STORE_FAILURES = 3  # store calls that time out in a row before a watchdog gives up
 CONNECT_S = 120.0  # reaching the job's store (hosted by rank 0 itself when there is no agent)
+FLUSH_WAIT_S = 0.5  # an answer waits this long at most for the helper thread's write under way
 KEPT_RECORDS = 256  # trace records kept for an answer
 PUNCH_BYTES = 1 << 20  # the in-memory trace gives back what was read in steps of this much
 
@@ -392,8 +393,10 @@ class Watchdog(threading.Thread):
         if self.signalled is not None and (self.decided.is_set() or self._linger_over()):
             self._leave_on_signal()
 
-    def _read_own_records(self) -> None:
-        trace.flush(wait=False)  # the calls not written yet (unless a thread is writing them now)
+    def _read_own_records(self, wait_s: float | None = None) -> None:
+        """Fold the trace records written since the last read; the calls not written yet first
+        (unless a thread is writing them now: waited for ``wait_s`` at most)."""
+        trace.flush(wait=False if wait_s is None else wait_s)
         data = os.pread(self.trace_fd, 1 << 20, self.view.offset)
         while data:
             self.records.extend(fold(self.view, data))
@@ -429,8 +432,9 @@ class Watchdog(threading.Thread):
         return self.site
 
     def state(self, request: str) -> dict[str, Any]:
-        """This rank's answer to the leader: stack, Flight Recorder tail, latest records, end."""
-        self._read_own_records()
+        """This rank's answer to the leader: stack, Flight Recorder tail, latest records, end. The
+        helper thread may be writing the open call's record under load: its write is waited for."""
+        self._read_own_records(wait_s=FLUSH_WAIT_S)
         state = trace.rank_state(self.job.rank, request)
         state.update(recs=list(self.records), exit=self.exit, host=self.host, machine=self.machine,
                      pid=os.getpid(), born=self.born)

@@ -114,9 +114,10 @@ def _flush_before_exit() -> None:
     os._exit = exit_after_flush
 
 
-def flush(wait: bool = True) -> None:
+def flush(wait: bool | float = True) -> None:
     """Write this process's queued records now (nothing when no tracer is installed);
-    ``wait=False``: unless another thread is writing them (``Tracer.flush``)."""
+    ``wait=False``: unless another thread is writing them; seconds: waiting that long at most for
+    it (``Tracer.flush``)."""
     tracer = _tracing.current
     if tracer is not None:
         tracer.flush(wait)

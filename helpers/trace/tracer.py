@@ -86,16 +86,18 @@ class Tracer:
         nothing (False) when another thread is writing (see ``flush``)."""
         return self._drain_locked([json.dumps(record, separators=(",", ":"), default=str) + "\n"], wait)
 
-    def flush(self, wait: bool = True) -> None:
+    def flush(self, wait: bool | float = True) -> None:
         """Write the queued records out (the helper thread does every ``FLUSH_S``).
 
         ``wait=False`` (the helper and watchdog threads): when another thread is writing, leave it
-        to that thread; never wait on a lock the main thread may hold in a signal handler.
+        to that thread; never wait on a lock the main thread may hold in a signal handler. A number:
+        wait that many seconds at most for the writer (records read back at once need its write).
         """
         self._drain_locked([], wait)
 
-    def _drain_locked(self, after: list[str], wait: bool) -> bool:
-        if not self.lock.acquire(blocking=wait):
+    def _drain_locked(self, after: list[str], wait: bool | float) -> bool:
+        lock = self.lock
+        if not (lock.acquire(blocking=wait) if isinstance(wait, bool) else lock.acquire(timeout=wait)):
             return False
         try:
             self._drain(after)
