@@ -18,7 +18,7 @@ import psutil
 import pytest
 from conftest import marker_line
 
-from helpers import collectives, doctor, scenarios
+from helpers import collectives, doctor, repro, scenarios
 from helpers.doctor import diagnosis as diagnosis_module
 from helpers.doctor import source, wording
 from helpers.launch import LaunchTimeout, RankError, RankExited, launch
@@ -206,10 +206,16 @@ def _all_to_all_with_splits_of_its_own():
     dist.all_to_all_single(torch.zeros(4), torch.ones(sum(splits)), **sizes)  # line: a2a
 
 
-def test_all_to_all_split_sizes_that_do_not_pair_up_name_the_rank_that_passed_them(leftovers):
+def test_all_to_all_split_sizes_that_do_not_pair_up_name_the_rank_that_passed_them(tmp_path, leftovers):
     # rank i's input split j must be rank j's output split i: rank 1 sends 3 rows where 2 are expected
-    found = _failed_run(_all_to_all_with_splits_of_its_own)
+    with pytest.raises((RankError, RankExited)) as info:
+        doctor.launch(_all_to_all_with_splits_of_its_own, num_processes=2, timeout_s=60, stall_s=1.5,
+                      keep_dir=tmp_path / "kept")
+    found = info.value.diagnosis
     assert (found.kind, found.ranks) == ("shape-mismatch", [1]), found.summary
+    # the replay passes the recorded split sizes: the same mismatch, the same rank
+    again = repro.run_script(repro.build_replay(tmp_path / "kept", tmp_path / "replay"), 1.5).diagnosis
+    assert (again.kind, again.ranks) == ("shape-mismatch", [1]), again.summary
     site = f"{HERE}:{_line('a2a')}"
     assert found.summary.startswith(f"Ranks called all_to_all_single at {site} (collective #1) "
                                     "with split sizes that do not pair up: rank 1 sends 3 rows to rank 0, "

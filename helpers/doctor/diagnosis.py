@@ -198,7 +198,8 @@ def history(view: RankView) -> dict[tuple[str, int], Op]:
 
 
 def _adopt(op: Op, owner: Op, recorded_name: str) -> None:
-    """Give a Flight Recorder entry the site, name and shapes of the Python call that issued it."""
+    """Give a Flight Recorder entry the site, name, shapes (and split sizes) of the Python call that
+    issued it."""
     op.where, op.file, op.line, op.end, op.error = owner.where, owner.file, owner.line, owner.end, owner.error
     op.start = owner.start
     if owner.end is not None:
@@ -207,6 +208,7 @@ def _adopt(op: Op, owner: Op, recorded_name: str) -> None:
         op.op = owner.op
         op.shapes = owner.shapes if owner.shapes is not None else op.shapes
         op.dtypes = owner.dtypes or op.dtypes
+        op.splits = owner.splits  # all_to_all_single's: the Flight Recorder keeps none
     else:
         op.op = f"{owner.op} ({recorded_name.split(':', 1)[-1]})"
 

@@ -51,7 +51,9 @@ OP_CODE: dict[str, str] = {
               "else None)",
     "scatter": "dist.scatter(tensor, [torch.empty_like(tensor) for _ in range(world)] if rank == 0 "
                "else None)",
-    "all_to_all_single": "dist.all_to_all_single(torch.empty_like(tensor), tensor)",
+    # ``peer``: the recorded [output rows, output_split_sizes, input_split_sizes], when recorded
+    "all_to_all_single": "dist.all_to_all_single(tensor.new_empty((peer[0], *tensor.shape[1:])) if peer "
+                         "else torch.empty_like(tensor), tensor, *(peer[1:] if peer else ()))",
     "all_to_all": "dist.all_to_all([torch.empty_like(tensor) for _ in range(world)], "
                   "[tensor.clone() for _ in range(world)])",
     "barrier": "dist.barrier()",
@@ -186,7 +188,7 @@ class Step:
     op: str
     shapes: list[list[int]]
     dtype: str
-    peer: int | None = None
+    peer: int | list | None = None  # a p2p op's peer; all_to_all_single's split sizes
     origin: str = ""  # where the original issued it (file:line), or who (C++)
     note: str = ""
 
@@ -347,7 +349,16 @@ def _step(op: Any) -> Step:
     if name not in OP_CODE:
         note = f"recorded as {name}: replayed as an all_reduce of the same size"
         name = "all_reduce"
-    return Step(name, shapes, dtype, None, redact.redact_text(origin), note)
+    return Step(name, shapes, dtype, _recorded_splits(name, op), redact.redact_text(origin), note)
+
+
+def _recorded_splits(name: str, op: Any) -> list | None:
+    """all_to_all_single's recorded ``[output rows, output splits, input splits]``: the replay
+    passes the same sizes (a rank's own split sizes are the mismatch to reproduce)."""
+    splits = getattr(op, "splits", None)
+    if name != "all_to_all_single" or not splits or not isinstance(splits[0], int):
+        return None
+    return list(splits)
 
 
 def _with_p2p(steps: list[Step], starts: list[float | None], p2p: list[Any]) -> list[Step]:
@@ -453,7 +464,8 @@ def _constants(plan: ReplayPlan) -> str:
     if any(rank.end == "busy" for rank in plan.ranks):
         lines.append("BUSY_S = 600.0  # how long a rank that was busy outside any collective stays busy")
     lines += ["", "# Each rank's operations in order: (op, input shapes, dtype[, peer]); the comment says",
-              "# where the original issued it.", "PLAN = {"]
+              "# where the original issued it. An all_to_all_single's peer is its [output rows,",
+              "# output_split_sizes, input_split_sizes] (None: equal splits).", "PLAN = {"]
     for rank in plan.ranks:
         if rank.note:
             lines += [comment(rank.note, indent="    ")]
