@@ -20,6 +20,8 @@ from helpers.doctor import EXIT_CODES
 STALL_S = 2.0
 IDS = [s.id for s in scenarios.SCENARIOS]
 FIXED_IDS = [s.id for s in scenarios.SCENARIOS if "fixed" in s.variants]
+# the doctor's JSON; "notes" too where the evidence could not tell something (a rank read with py-spy
+# on a starved machine): Diagnosis.to_dict
 KEYS = {"verdict", "kind", "ranks", "summary", "fix", "detected_after_s", "per_rank"}
 RANK_KEYS = {"rank", "state", "op", "seq", "shapes", "location", "exit_code"}
 
@@ -29,15 +31,19 @@ def check_diagnosis(data: dict, scenario: scenarios.Scenario, launcher: str, num
     """The diagnosis (as JSON data) matches the catalog row for ``launcher``."""
     expected = scenario.expected[launcher]
     text = json.dumps(data, indent=1)
-    assert set(data) == KEYS and all(set(r) == RANK_KEYS for r in data["per_rank"]), text
+    assert set(data) - {"notes"} == KEYS and all(set(r) == RANK_KEYS for r in data["per_rank"]), text
     assert data["kind"] == expected.kind, text
     assert data["verdict"] in expected.verdicts, text
     assert data["ranks"] == scenario.culprit_ranks(num_processes), text
     assert [r["rank"] for r in data["per_rank"]] == list(range(num_processes)), text
     culprit_at = scenario.location(scenario.culprit_line)
     others_at = scenario.location(scenario.others_line)
+    mismatched = min((r["seq"] for r in data["per_rank"] if r["rank"] in data["ranks"] and r["seq"]),
+                     default=None)
     for entry in data["per_rank"]:
         wanted = culprit_at if entry["rank"] in data["ranks"] else others_at
+        if data["kind"] == "shape-mismatch" and mismatched and (entry["seq"] or 0) > mismatched:
+            continue  # gloo let this rank through the mismatched call as its peer aborted: it failed later
         if wanted:
             assert entry["location"] == wanted, text
     if scenario.summary_line:
