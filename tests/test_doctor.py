@@ -37,10 +37,10 @@ def _stay_away(seconds: float = 60) -> None:
         time.sleep(0.05)
 
 
-def _failed_run(function, num_processes: int = 2) -> doctor.Diagnosis:
+def _failed_run(function, num_processes: int = 2, keep_dir: Path | None = None) -> doctor.Diagnosis:
     """The diagnosis of a run of ``function`` that fails (a rank raises, or ends without a result)."""
     with pytest.raises((RankError, RankExited)) as info:
-        doctor.launch(function, num_processes=num_processes, timeout_s=60, stall_s=1.5)
+        doctor.launch(function, num_processes=num_processes, timeout_s=60, stall_s=1.5, keep_dir=keep_dir)
     return info.value.diagnosis
 
 
@@ -208,10 +208,7 @@ def _all_to_all_with_splits_of_its_own():
 
 def test_all_to_all_split_sizes_that_do_not_pair_up_name_the_rank_that_passed_them(tmp_path, leftovers):
     # rank i's input split j must be rank j's output split i: rank 1 sends 3 rows where 2 are expected
-    with pytest.raises((RankError, RankExited)) as info:
-        doctor.launch(_all_to_all_with_splits_of_its_own, num_processes=2, timeout_s=60, stall_s=1.5,
-                      keep_dir=tmp_path / "kept")
-    found = info.value.diagnosis
+    found = _failed_run(_all_to_all_with_splits_of_its_own, keep_dir=tmp_path / "kept")
     assert (found.kind, found.ranks) == ("shape-mismatch", [1]), found.summary
     # the replay passes the recorded split sizes: the same mismatch, the same rank
     again = repro.run_script(repro.build_replay(tmp_path / "kept", tmp_path / "replay"), 1.5).diagnosis

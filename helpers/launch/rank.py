@@ -208,22 +208,23 @@ def run_as_main(argv: list[str]) -> tuple[int, BaseException | None]:
     sys.argv = argv[1:] if module else list(argv)
     if not module:
         sys.path[0] = os.path.dirname(os.path.abspath(target))
+    error: BaseException | None = None
     try:
         if module:
             runpy.run_module(target, run_name="__main__", alter_sys=True)
         else:
             runpy.run_path(target, run_name="__main__")
-        quiet_child_signals()
-        trace.finish("finished")
-    except SystemExit as exc:
-        quiet_child_signals()
-        code = _exit_code(exc.code)
+    except BaseException as exc:  # noqa: BLE001 - the caller re-raises it (SystemExit: its code)
+        error = exc
+    quiet_child_signals()
+    if isinstance(error, SystemExit):
+        code = _exit_code(error.code)
         trace.finish("finished" if code == 0 else "exited")
         return code, None
-    except BaseException as exc:  # noqa: BLE001 - the caller re-raises it
-        quiet_child_signals()
-        trace.finish("raised", exc)
-        return 1, exc
+    if error is not None:
+        trace.finish("raised", error)
+        return 1, error
+    trace.finish("finished")
     return 0, None
 
 

@@ -96,8 +96,11 @@ class Tracer:
         self._drain_locked([], wait)
 
     def _drain_locked(self, after: list[str], wait: bool | float) -> bool:
-        lock = self.lock
-        if not (lock.acquire(blocking=wait) if isinstance(wait, bool) else lock.acquire(timeout=wait)):
+        if isinstance(wait, bool):
+            taken = self.lock.acquire(blocking=wait)
+        else:  # seconds
+            taken = self.lock.acquire(timeout=wait)
+        if not taken:
             return False
         try:
             self._drain(after)
