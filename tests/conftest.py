@@ -9,8 +9,11 @@ import shutil
 import subprocess
 import sys
 import tempfile
+from collections.abc import Callable, Iterable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import psutil
 import pytest
@@ -73,6 +76,28 @@ class Leftovers:
         assert not ports, f"listening ports left: {ports}"
         temp = _temp_entries() - self.temp
         assert not temp, f"temp entries left: {sorted(temp)}"
+
+
+def in_parallel(function: Callable, items: Iterable, at_once: int = 3) -> list:
+    """``function`` over ``items``, ``at_once`` at a time (threads); results in order.
+
+    For runs that mostly wait (a stall, a process-group timeout, a launcher's teardown): on this
+    2-core machine a few overlap without slowing each other much; an exception is raised as is.
+    """
+    with ThreadPoolExecutor(at_once) as pool:
+        return list(pool.map(function, items))
+
+
+def in_parallel_kept(function: Callable, items: Iterable, at_once: int = 3) -> list:
+    """As ``in_parallel``, but each item's exception is returned in its place, not raised: a module
+    fixture that runs a parametrized test's cases together leaves each case its own failure."""
+    def kept(item: Any) -> Any:
+        try:
+            return function(item)
+        except Exception as exc:  # noqa: BLE001 - handed to the test of this item, which raises it
+            return exc
+
+    return in_parallel(kept, items, at_once)
 
 
 @pytest.fixture

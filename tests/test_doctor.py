@@ -884,7 +884,7 @@ def test_a_torchrun_run_past_its_deadline_leaves_no_worker(tmp_path, monkeypatch
     script = tmp_path / "hang_forever.py"
     script.write_text(_HANG_FOREVER)
     monkeypatch.setenv("READY_DIR", str(tmp_path))
-    code, diagnosis, _output = doctor.run_torchrun([str(script)], tmp_path / "trace", 2, timeout_s=25)
+    code, diagnosis, _output = doctor.run_torchrun([str(script)], tmp_path / "trace", 2, timeout_s=15)
     assert code is None, "the run must be stopped at its deadline"
     assert {p.name for p in tmp_path.glob("ready-*")} == {"ready-0", "ready-1"}, "the workers never ran"
     workers = [p for p in psutil.process_iter(["cmdline"])

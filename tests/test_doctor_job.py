@@ -15,9 +15,11 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 import psutil
 import pytest
+from conftest import Leftovers, in_parallel_kept
 
 from helpers import doctor, scenarios
 from helpers.doctor import EXIT_CODES, job, leader, runs
@@ -309,15 +311,35 @@ def test_under_accelerate_launch_on_two_machines(script, tmp_path, leftovers):
     leftovers.check()
 
 
-@pytest.mark.parametrize("scenario_id", [s.id for s in scenarios.SCENARIOS])
-def test_the_catalog_under_the_doctor_in_a_job(scenario_id, tmp_path, leftovers):
+CATALOG = [s.id for s in scenarios.SCENARIOS]
+
+
+@pytest.fixture(scope="module")
+def catalog_jobs(tmp_path_factory) -> dict[str, Any]:
+    """Every catalog scenario as a job of one agent of two ranks, a few jobs at a time (a job
+    mostly waits: on its stall, its teardown), then a leftovers check over them all."""
+    folders = [tmp_path_factory.mktemp(f"job-{scenario_id}") for scenario_id in CATALOG]
+    left = Leftovers()
+
+    def run(pair: tuple[str, Path]) -> runs.JobRun:
+        scenario = scenarios.get(pair[0])
+        return runs.run_job(scenario.command(scenario.variants[0]), pair[1], nodes=1, per_node=2,
+                            stall_s=2.0, timeout_s=TIMEOUT_S)
+
+    outcomes = in_parallel_kept(run, list(zip(CATALOG, folders, strict=True)), at_once=2)
+    left.check()
+    return dict(zip(CATALOG, outcomes, strict=True))
+
+
+@pytest.mark.parametrize("scenario_id", CATALOG)
+def test_the_catalog_under_the_doctor_in_a_job(scenario_id, catalog_jobs):
     # one agent of two ranks (the catalog's expectations are for two ranks; the multi-node cases
     # are above): the agent that hosts the store outlives a rank that gloo aborts
     from tests.test_scenarios import check_diagnosis
 
-    scenario = scenarios.get(scenario_id)
-    outcome = runs.run_job(scenario.command(scenario.variants[0]), tmp_path, nodes=1, per_node=2,
-                           stall_s=2.0, timeout_s=TIMEOUT_S)
+    scenario, outcome = scenarios.get(scenario_id), catalog_jobs[scenario_id]
+    if isinstance(outcome, BaseException):
+        raise outcome
     data = _json(outcome, world=2)
     aborted = -6 in outcome.rank_codes.values()
     if scenario.id == "variable-gather" and data["kind"] == "rank-exited":
@@ -330,7 +352,6 @@ def test_the_catalog_under_the_doctor_in_a_job(scenario_id, tmp_path, leftovers)
         allowed = {EXIT_CODES[data["verdict"]]} | ({-6, 143} if scenario.id == "variable-gather" else set())
         assert set(outcome.rank_codes.values()) <= allowed, outcome.rank_codes
     assert all(code is not None for code in outcome.agent_codes)
-    leftovers.check()
 
 
 # ---------------------------------------------------------------------------------------------

@@ -16,8 +16,9 @@ import json
 import shutil
 import subprocess
 import sys
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+
+from conftest import in_parallel
 
 from helpers import procs, repro, scenarios
 from helpers.repro import runs as repro_run
@@ -26,15 +27,8 @@ REPO = Path(__file__).resolve().parent.parent
 RUNNER = REPO / "tests" / "fixtures" / "repro" / "run_scripts.py"
 BROKEN = [s for s in scenarios.SCENARIOS if "broken" in s.variants]
 STALL_S = 4.0
-PARALLEL = 3
 PG_TIMEOUT_S = 6.0
 TORCHRUN_OUTCOME = {"hang": "hang", "crash": "crash", "mismatch": "finished"}  # catalog verdict -> seen
-
-
-def in_parallel(function, items):
-    """``function`` over ``items``, PARALLEL at a time; results in order."""
-    with ThreadPoolExecutor(PARALLEL) as pool:
-        return list(pool.map(function, items))
 
 
 def cli(*argv: str, timeout: float = 240) -> subprocess.CompletedProcess:
@@ -135,9 +129,8 @@ def test_fixed_scripts_complete_under_torchrun_and_the_doctor_and_accelerate_lau
     def accelerate(_):
         return repro_run.run_standalone(fixed[0].path, [], 2, "accelerate", timeout_s=120)
 
-    with ThreadPoolExecutor(3) as pool:
-        futures = [pool.submit(f, None) for f in (standalone, doctor, accelerate)]
-        torchrun_run, (diagnosis, output, _s), accelerate_run = [future.result() for future in futures]
+    torchrun_run, (diagnosis, output, _s), accelerate_run = in_parallel(
+        lambda run: run(None), [standalone, doctor, accelerate])
     assert torchrun_run.outcome == "finished", torchrun_run.output_tail
     for name in names:  # every rank of every script printed its result
         assert torchrun_run.output_tail.count(f"== {name}") == 2 or name in torchrun_run.output_tail
