@@ -2,7 +2,9 @@
 two agents over 127.0.0.1 (the commands a two-node cluster runs), each in its own working folder.
 
 Every test runs a real job, culprit on the second node, and checks afterwards that no process of the
-job is left on either "node" (psutil, by the script's unique path) and no temp folder either.
+job is left on either "node" (psutil, by the script's unique path) and no temp folder either. The
+catalog's one-agent jobs run two at a time (``catalog_jobs``): such a job mostly waits on its stall.
+Two-node jobs do not gain from it: four ranks and two agents starting keep both cores busy.
 """
 
 from __future__ import annotations
