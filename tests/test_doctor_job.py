@@ -173,6 +173,20 @@ def test_a_script_that_ends_with_os_exit_is_a_healthy_end(script, tmp_path, left
     leftovers.check()
 
 
+def test_sigterm_while_a_rank_runs_its_exit_handlers_ends_it(script, tmp_path, leftovers):
+    # rank 1 has finished and its exit handler hangs; rank 0 then fails, and the agent stops rank 1
+    # with SIGTERM: that ends it, as without the doctor, not torchrun's SIGKILL 30 s later (the
+    # handler ran inside the rank's own leaving and waited for it)
+    env = {"MODE": "exit-handler", "CULPRIT": "1", "READY_FILE": str(tmp_path / "ready")}
+    outcome = runs.run_job([str(script)], tmp_path, nodes=1, per_node=2, stall_s=STALL_S, timeout_s=TIMEOUT_S,
+                           env=env)
+    assert not _left(script), "job processes left"
+    crash = EXIT_CODES["crash"]  # rank 0's exit 1 after its last collective: the doctor stops the job
+    assert outcome.rank_codes[0] == crash, outcome.outputs[0][-3000:]
+    assert outcome.rank_codes[1] in (crash, 128 + signal.SIGTERM), outcome.outputs[0][-3000:]  # not -9
+    leftovers.check()
+
+
 def test_kill_9_of_the_agent_that_hosts_the_store_still_leaves_nothing(script, tmp_path, leftovers):
     # node 0's agent hosts the job's store: with it gone nobody can diagnose, but every rank ends
     # (gloo's barrier may never notice that its peers died: the waiting rank ends itself at stall_s)

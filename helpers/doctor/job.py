@@ -141,8 +141,20 @@ def _exit_record(code: int, error: BaseException | None) -> dict[str, Any]:
     return record
 
 
+def _end_now(code: int) -> NoReturn:
+    """End at once: SIGTERM came while this thread was itself ending the process, waiting for the
+    script's threads or running its exit handlers (an upload at exit that hangs). The handler runs
+    inside that wait; waiting for it there would wait for itself until torchrun's SIGKILL, 30 s
+    later. Without the doctor, SIGTERM would have ended the process then too."""
+    trace.settle()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    _EXIT(code)
+
+
 _EXIT = os._exit  # the real one: the script's is wrapped (``Watchdog.script_exits``)
 _LEAVING = threading.Lock()
+_LEAVER: list[int] = []  # the thread that holds _LEAVING
 
 
 def _leave(code: int, from_main: bool = False) -> NoReturn:
@@ -155,7 +167,10 @@ def _leave(code: int, from_main: bool = False) -> NoReturn:
     (``stop_own_children``).
     """
     if not _LEAVING.acquire(blocking=False):
+        if _LEAVER and _LEAVER[0] == threading.get_ident():
+            _end_now(code)  # SIGTERM's handler inside this thread's own leaving (see ``_end_now``)
         threading.Event().wait()  # the first caller ends the process
+    _LEAVER.append(threading.get_ident())
     if from_main:
         for thread in threading.enumerate():
             if thread is not threading.current_thread() and not thread.daemon:
