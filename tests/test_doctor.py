@@ -350,6 +350,50 @@ def test_ranks_waiting_in_different_operations_are_each_named(leftovers):
     leftovers.check()
 
 
+def _fewer_batches_on_rank_one():
+    import torch
+    import torch.distributed as dist
+
+    batches = [torch.ones(2)] * (2 if dist.get_rank() == 1 else 3)  # uneven shards: even_batches=False
+    for batch in batches:  # line: batches
+        dist.all_reduce(batch)
+    dist.barrier()  # line: after the loop
+
+
+def test_a_rank_whose_loop_ran_out_first_is_said_to_have_left_it(leftovers):
+    with pytest.raises(doctor.HangDetected) as info:
+        doctor.launch(_fewer_batches_on_rank_one, num_processes=3, timeout_s=60, stall_s=1.5)
+    found = info.value.diagnosis
+    assert (found.kind, found.ranks) == ("collective-mismatch", [1]), found.text()
+    assert f"rank 1 in barrier at {HERE}:{_line('after the loop')}" in found.summary, found.summary
+    assert found.summary.endswith(
+        f". Rank 1 has left the loop at {HERE}:{_line('batches')} that the others are still in: its loop "
+        "ran out first (a DataLoader with fewer batches on that rank, as with accelerate's "
+        "even_batches=False, or a break or a condition that holds on that rank alone)."), found.summary
+    assert "took a different path" not in found.summary  # the loop says it better
+    leftovers.check()
+
+
+def test_a_loop_is_said_to_be_left_only_by_a_call_past_its_end_in_its_function(tmp_path):
+    from helpers.doctor.source import loop_left
+
+    script = tmp_path / "train.py"
+    script.write_text("def train(loader):\n"
+                      "    for batch in loader:\n"
+                      "        step(batch)\n"
+                      "        if batch is None:\n"
+                      "            barrier()\n"
+                      "    barrier()\n"
+                      "\n"
+                      "def other():\n"
+                      "    barrier()\n")
+    assert loop_left(str(script), 3, 6) == 2  # past the loop's end, in train()
+    assert loop_left(str(script), 3, 5) is None  # still inside the loop
+    assert loop_left(str(script), 3, 9) is None  # in another function
+    assert loop_left(str(script), 6, 9) is None  # the first call is in no loop
+    assert loop_left(str(tmp_path / "missing.py"), 3, 6) is None
+
+
 def _display(found) -> None:
     html = found._repr_html_()
     assert "rank-missing" in html and "<table>" in html and found.summary.split(";")[0][:40] in html

@@ -57,6 +57,25 @@ def enclosing_loop(filename: str | None, line: int | None) -> int | None:
     return best
 
 
+def loop_left(filename: str | None, inside: int | None, after: int | None) -> int | None:
+    """The header line of the innermost loop around line ``inside`` when line ``after`` lies past
+    that loop's end in the same function (None otherwise): a rank at ``after`` has left the loop that
+    a rank at ``inside`` is still in."""
+    parsed = _tree(filename)
+    if parsed is None or inside is None or after is None:
+        return None
+    header = enclosing_loop(filename, inside)
+    loop = next((node for node in ast.walk(parsed[0])
+                 if isinstance(node, (ast.For, ast.While)) and node.lineno == header), None)
+    if loop is None or after <= (loop.end_lineno or after):
+        return None
+    functions = [node for node in ast.walk(parsed[0])
+                 if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef))
+                 and node.lineno <= loop.lineno <= (node.end_lineno or 0)]
+    scope = max(functions, key=lambda node: node.lineno, default=None)  # the innermost
+    return header if scope is None or after <= (scope.end_lineno or 0) else None
+
+
 def source_line(frame: dict[str, Any]) -> str:
     """The text of a stack frame's line in the user's file ('' when unreadable)."""
     parsed = _tree(frame.get("file"))

@@ -13,7 +13,7 @@ from typing import Any
 from helpers import params
 from helpers.collectives import OBJECT_LISTS, ROOTS, canonical_op
 from helpers.doctor.records import Op, Position
-from helpers.doctor.source import enclosing_loop, source_line
+from helpers.doctor.source import enclosing_loop, loop_left, source_line
 from helpers.trace.callsites import DATALOADER_FILE, DATALOADER_READ
 
 NB_REPRO, NB_EARLY_STOP, NB_MEMORY = params.NB_REPRO, params.NB_EARLY_STOP, params.NB_MEMORY
@@ -271,8 +271,8 @@ def divergence_summary(kind: str, key: tuple[str, int], present: dict[int, Op], 
     if seq < 0:  # stacks alone: the collective each rank waits in now
         parts = [f"rank {rank} in {_op_name(op)}{' at ' + op.where if op.where else ''}"
                  for rank, op in sorted(present.items())]
-        return ("Ranks wait in different collectives: " + "; ".join(parts)
-                + f". {ranks_text(culprits)} took a different path from the others.")
+        return ("Ranks wait in different collectives: " + "; ".join(parts) + "."
+                + _different_path(present, culprits, positions))
     parts = []
     for rank, op in sorted(present.items()):
         where, extra = op.where, ""
@@ -282,9 +282,45 @@ def divergence_summary(kind: str, key: tuple[str, int], present: dict[int, Op], 
             if pos.detail and pos.op.source == "flight-recorder":
                 extra = f", {pos.detail}"
         parts.append(f"rank {rank} in {_op_name(op)}{' at ' + where if where else ''}{extra}")
-    lead = ranks_text(culprits)
-    return (f"Ranks issued different collectives as collective #{seq}: " + "; ".join(parts)
-            + f". {lead} took a different path from the others.")
+    return (f"Ranks issued different collectives as collective #{seq}: " + "; ".join(parts) + "."
+            + _different_path(present, culprits, positions))
+
+
+def _different_path(present: dict[int, Op], culprits: list[int], positions: dict[int, Position]) -> str:
+    """' Rank 2 has left the loop at train.py:41 that the others are still in: ...' when every
+    other rank's call is inside one loop and every culprit's comes after it, in the same function:
+    its loop ran out first, most often a DataLoader with fewer batches. Else ' Rank 2 took a
+    different path from the others.'"""
+    left = _left_loop(present, culprits, positions)
+    return left or f" {ranks_text(culprits)} took a different path from the others."
+
+
+def _left_loop(present: dict[int, Op], culprits: list[int], positions: dict[int, Position]) -> str:
+    """``_different_path``'s loop sentence ('' when the calls are not so placed)."""
+    sites = {rank: _site(op, positions.get(rank)) for rank, op in present.items()}
+    others = {site for rank, site in sites.items() if rank not in culprits}
+    mine = [site for rank, site in sites.items() if rank in culprits]
+    if len(others) != 1 or not mine or None in others or None in mine:
+        return ""
+    file, line = others.pop()
+    headers = {loop_left(file, line, after) if other == file else None for other, after in mine}
+    if len(headers) != 1 or None in headers:
+        return ""
+    several = len(mine) > 1
+    return (f" {ranks_text(sorted(r for r in culprits if r in present))} "
+            f"{'have' if several else 'has'} left the loop at {Path(file).name}:{headers.pop()} that the "
+            f"others are still in: {'their loops' if several else 'its loop'} ran out first (a DataLoader "
+            "with fewer batches on that rank, as with accelerate's even_batches=False, or a break or a "
+            "condition that holds on that rank alone).")
+
+
+def _site(op: Op, pos: Position | None) -> tuple[str, int] | None:
+    """The user's file and line of a rank's call (its position's when the op has none: DDP's)."""
+    if op.file and op.line:
+        return op.file, op.line
+    if pos is not None and pos.op is not None and pos.seq == op.seq and pos.file and pos.line:
+        return pos.file, pos.line
+    return None
 
 
 def root_summary(key: tuple[str, int], present: dict[int, Op], culprits: list[int]) -> str:
