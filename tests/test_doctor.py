@@ -374,6 +374,27 @@ def test_a_rank_whose_loop_ran_out_first_is_said_to_have_left_it(leftovers):
     leftovers.check()
 
 
+def _more_batches_on_rank_zero():
+    import torch
+    import torch.distributed as dist
+
+    batches = [torch.ones(2)] * (3 if dist.get_rank() == 0 else 2)
+    for batch in batches:  # line: more batches
+        dist.all_reduce(batch)
+    dist.barrier()  # line: after more batches
+
+
+def test_ranks_whose_loops_ran_out_first_are_named_when_they_are_the_many(leftovers):
+    # two of three ranks are past the loop: the odd one out (the culprit) is the rank still in it
+    with pytest.raises(doctor.HangDetected) as info:
+        doctor.launch(_more_batches_on_rank_zero, num_processes=3, timeout_s=60, stall_s=1.5)
+    found = info.value.diagnosis
+    assert (found.kind, found.ranks) == ("collective-mismatch", [0]), found.text()
+    assert (f". Ranks 1 and 2 have left the loop at {HERE}:{_line('more batches')} that rank 0 is still in: "
+            "their loops ran out first (a DataLoader with fewer batches on those ranks") in found.summary
+    leftovers.check()
+
+
 def test_a_loop_is_said_to_be_left_only_by_a_call_past_its_end_in_its_function(tmp_path):
     from helpers.doctor.source import loop_left
 

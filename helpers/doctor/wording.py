@@ -287,31 +287,38 @@ def divergence_summary(kind: str, key: tuple[str, int], present: dict[int, Op], 
 
 
 def _different_path(present: dict[int, Op], culprits: list[int], positions: dict[int, Position]) -> str:
-    """' Rank 2 has left the loop at train.py:41 that the others are still in: ...' when every
-    other rank's call is inside one loop and every culprit's comes after it, in the same function:
-    its loop ran out first, most often a DataLoader with fewer batches. Else ' Rank 2 took a
-    different path from the others.'"""
-    left = _left_loop(present, culprits, positions)
+    """' Rank 2 has left the loop at train.py:41 that the others are still in: ...' when one side's
+    calls are inside one loop and the other side's come after it, in the same function (the
+    culprits on either side: the ranks with more batches may be the fewer): a loop ran out first on
+    some ranks, most often a DataLoader with fewer batches. Else ' Rank 2 took a different path
+    from the others.'"""
+    sites = {rank: _site(op, positions.get(rank)) for rank, op in present.items()}
+    mine = sorted(rank for rank in culprits if rank in present)
+    others = sorted(rank for rank in present if rank not in culprits)
+    left = _left_loop(sites, mine, others, "the others") or _left_loop(sites, others, mine, ranks_text(mine))
     return left or f" {ranks_text(culprits)} took a different path from the others."
 
 
-def _left_loop(present: dict[int, Op], culprits: list[int], positions: dict[int, Position]) -> str:
-    """``_different_path``'s loop sentence ('' when the calls are not so placed)."""
-    sites = {rank: _site(op, positions.get(rank)) for rank, op in present.items()}
-    others = {site for rank, site in sites.items() if rank not in culprits}
-    mine = [site for rank, site in sites.items() if rank in culprits]
-    if len(others) != 1 or not mine or None in others or None in mine:
+def _left_loop(sites: dict[int, tuple[str, int] | None], leavers: list[int], stayers: list[int],
+               stayers_text: str) -> str:
+    """``_different_path``'s loop sentence when every leaver's call lies past the end of the loop
+    that holds every stayer's call ('' otherwise)."""
+    inside = {sites[rank] for rank in stayers}
+    if not leavers or len(inside) != 1 or None in inside or any(sites[rank] is None for rank in leavers):
         return ""
-    file, line = others.pop()
-    headers = {loop_left(file, line, after) if other == file else None for other, after in mine}
+    file, line = inside.pop()
+    headers = {loop_left(file, line, sites[rank][1]) if sites[rank][0] == file else None  # type: ignore[index]
+               for rank in leavers}
     if len(headers) != 1 or None in headers:
         return ""
-    several = len(mine) > 1
-    return (f" {ranks_text(sorted(r for r in culprits if r in present))} "
-            f"{'have' if several else 'has'} left the loop at {Path(file).name}:{headers.pop()} that the "
-            f"others are still in: {'their loops' if several else 'its loop'} ran out first (a DataLoader "
-            "with fewer batches on that rank, as with accelerate's even_batches=False, or a break or a "
-            "condition that holds on that rank alone).")
+    several = len(leavers) > 1
+    stay = "is" if len(stayers) == 1 and not stayers_text.startswith("the") else "are"
+    those = "those ranks" if several else "that rank"
+    return (f" {ranks_text(leavers)} {'have' if several else 'has'} left the loop at "
+            f"{Path(file).name}:{headers.pop()} that {stayers_text.replace('Rank', 'rank')} {stay} still "
+            f"in: {'their loops' if several else 'its loop'} ran out first (a DataLoader with fewer "
+            f"batches on {those}, as with accelerate's even_batches=False, or a break or a condition "
+            f"that holds on {those} alone).")
 
 
 def _site(op: Op, pos: Position | None) -> tuple[str, int] | None:
