@@ -371,6 +371,8 @@ def test_a_rank_whose_loop_ran_out_first_is_said_to_have_left_it(leftovers):
         "ran out first (a DataLoader with fewer batches on that rank, as with accelerate's "
         "even_batches=False, or a break or a condition that holds on that rank alone)."), found.summary
     assert "took a different path" not in found.summary  # the loop says it better
+    assert found.fix.startswith("Give every rank the same number of iterations: keep accelerate's "
+                                "even_batches=True"), found.fix
     leftovers.check()
 
 

@@ -85,6 +85,15 @@ CROSSED_P2P_CURE = (
     "Order each pair's send and recv oppositely (the lower rank sends first and the higher receives "
     "first), or post both with dist.isend / dist.irecv (or dist.batch_isend_irecv) and then wait on them.")
 
+LOOP_RAN_OUT = "ran out first"  # in a summary: some ranks left a loop the others are still in
+UNEVEN_LOOP_CURE = (
+    "Give every rank the same number of iterations: keep accelerate's even_batches=True (its default: "
+    "the last batch is filled with samples from the start), or torch's DistributedSampler (drop_last=False "
+    "pads with repeated samples, drop_last=True drops the remainder), and decide a break on every rank "
+    "together (accelerator.set_trigger() / accelerator.check_trigger()). For inputs uneven on purpose: "
+    "DDP's join (torch.distributed.algorithms.Join; accelerator.join_uneven_inputs([model]) for DDP on "
+    "GPUs).")
+
 OBJECT_LIST_CURE = (
     "Pass the object-list collective a list of the same length on every rank: the objects on the "
     "source rank, placeholders of the same count elsewhere (object_list = [None] * n).")
@@ -316,7 +325,7 @@ def _left_loop(sites: dict[int, tuple[str, int] | None], leavers: list[int], sta
     those = "those ranks" if several else "that rank"
     return (f" {ranks_text(leavers)} {'have' if several else 'has'} left the loop at "
             f"{Path(file).name}:{headers.pop()} that {stayers_text.replace('Rank', 'rank')} {stay} still "
-            f"in: {'their loops' if several else 'its loop'} ran out first (a DataLoader with fewer "
+            f"in: {'their loops' if several else 'its loop'} {LOOP_RAN_OUT} (a DataLoader with fewer "
             f"batches on {those}, as with accelerate's even_batches=False, or a break or a condition "
             f"that holds on {those} alone).")
 
