@@ -350,20 +350,24 @@ def test_ranks_waiting_in_different_operations_are_each_named(leftovers):
     leftovers.check()
 
 
-def _fewer_batches_on_rank_one():
+def _uneven_batches(batches_per_rank: list[int]):
     import torch
     import torch.distributed as dist
 
-    batches = [torch.ones(2)] * (2 if dist.get_rank() == 1 else 3)  # uneven shards: even_batches=False
+    batches = [torch.ones(2)] * batches_per_rank[dist.get_rank()]  # uneven shards: even_batches=False
     for batch in batches:  # line: batches
         dist.all_reduce(batch)
     dist.barrier()  # line: after the loop
 
 
-def test_a_rank_whose_loop_ran_out_first_is_said_to_have_left_it(leftovers):
+def _uneven_hang(batches_per_rank: list[int]):
     with pytest.raises(doctor.HangDetected) as info:
-        doctor.launch(_fewer_batches_on_rank_one, num_processes=3, timeout_s=60, stall_s=1.5)
-    found = info.value.diagnosis
+        doctor.launch(_uneven_batches, (batches_per_rank,), num_processes=3, timeout_s=60, stall_s=1.5)
+    return info.value.diagnosis
+
+
+def test_a_rank_whose_loop_ran_out_first_is_said_to_have_left_it(leftovers):
+    found = _uneven_hang([3, 2, 3])
     assert (found.kind, found.ranks) == ("collective-mismatch", [1]), found.text()
     assert f"rank 1 in barrier at {HERE}:{_line('after the loop')}" in found.summary, found.summary
     assert found.summary.endswith(
@@ -376,23 +380,11 @@ def test_a_rank_whose_loop_ran_out_first_is_said_to_have_left_it(leftovers):
     leftovers.check()
 
 
-def _more_batches_on_rank_zero():
-    import torch
-    import torch.distributed as dist
-
-    batches = [torch.ones(2)] * (3 if dist.get_rank() == 0 else 2)
-    for batch in batches:  # line: more batches
-        dist.all_reduce(batch)
-    dist.barrier()  # line: after more batches
-
-
 def test_ranks_whose_loops_ran_out_first_are_named_when_they_are_the_many(leftovers):
     # two of three ranks are past the loop: the odd one out (the culprit) is the rank still in it
-    with pytest.raises(doctor.HangDetected) as info:
-        doctor.launch(_more_batches_on_rank_zero, num_processes=3, timeout_s=60, stall_s=1.5)
-    found = info.value.diagnosis
+    found = _uneven_hang([3, 2, 2])
     assert (found.kind, found.ranks) == ("collective-mismatch", [0]), found.text()
-    assert (f". Ranks 1 and 2 have left the loop at {HERE}:{_line('more batches')} that rank 0 is still in: "
+    assert (f". Ranks 1 and 2 have left the loop at {HERE}:{_line('batches')} that rank 0 is still in: "
             "their loops ran out first (a DataLoader with fewer batches on those ranks") in found.summary
     leftovers.check()
 
