@@ -46,7 +46,7 @@ from helpers.trace.callsites import site_json, user_files, user_frame
 
 FLUSH_S = 0.05  # the helper thread writes the queued records this often
 QUEUE_MAX = 4096  # queued records past which the calling thread writes them itself (no helper,
-#                   or one that cannot keep up: 512 was reached before its tick by loops of 100 us calls)
+#                   or one that cannot keep up: 512 was reached before its tick by loops of 50 us calls)
 UNWAITED_KEPT = 256  # async calls without a future polled at once (more stay open in the records)
 WRITE_EVERY = 32  # records formatted per write while the queue is written out
 _OP, _END = 0, 1  # queued: an op's list [_OP, id, plan, group, seq, blocking, tensors, peer, code,
