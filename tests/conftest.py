@@ -88,16 +88,30 @@ def in_parallel(function: Callable, items: Iterable, at_once: int = 3) -> list:
         return list(pool.map(function, items))
 
 
-def in_parallel_kept(function: Callable, items: Iterable, at_once: int = 3) -> list:
-    """As ``in_parallel``, but each item's exception is returned in its place, not raised: a module
-    fixture that runs a parametrized test's cases together leaves each case its own failure."""
-    def kept(item: Any) -> Any:
+def run_each(run: Callable[[Any, Path], Any], keys: list, tmp_path_factory: pytest.TempPathFactory,
+             prefix: str, at_once: int = 3) -> dict:
+    """``run(key, folder)`` for every key, each in a folder of its own, ``at_once`` at a time, then a
+    leftovers check over them all: a module fixture that runs a parametrized test's cases together.
+    Each key maps to its result, or to its exception, which ``result_of`` raises in that key's test."""
+    folders = [tmp_path_factory.mktemp(f"{prefix}-{key}") for key in keys]
+    left = Leftovers()
+
+    def kept(pair: tuple[Any, Path]) -> Any:
         try:
-            return function(item)
-        except Exception as exc:  # noqa: BLE001 - handed to the test of this item, which raises it
+            return run(*pair)
+        except Exception as exc:  # noqa: BLE001 - handed to the test of this key, which raises it
             return exc
 
-    return in_parallel(kept, items, at_once)
+    results = in_parallel(kept, list(zip(keys, folders, strict=True)), at_once)
+    left.check()
+    return dict(zip(keys, results, strict=True))
+
+
+def result_of(results: dict, key: Any) -> Any:
+    """A key's result from ``run_each`` (its exception raised)."""
+    if isinstance(results[key], BaseException):
+        raise results[key]
+    return results[key]
 
 
 @pytest.fixture

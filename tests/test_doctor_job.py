@@ -21,7 +21,7 @@ from typing import Any
 
 import psutil
 import pytest
-from conftest import Leftovers, in_parallel_kept
+from conftest import result_of, run_each
 
 from helpers import doctor, scenarios
 from helpers.doctor import EXIT_CODES, job, leader, runs
@@ -332,19 +332,14 @@ CATALOG = [s.id for s in scenarios.SCENARIOS]
 
 @pytest.fixture(scope="module")
 def catalog_jobs(tmp_path_factory) -> dict[str, Any]:
-    """Every catalog scenario as a job of one agent of two ranks, a few jobs at a time (a job
-    mostly waits: on its stall, its teardown), then a leftovers check over them all."""
-    folders = [tmp_path_factory.mktemp(f"job-{scenario_id}") for scenario_id in CATALOG]
-    left = Leftovers()
-
-    def run(pair: tuple[str, Path]) -> runs.JobRun:
-        scenario = scenarios.get(pair[0])
-        return runs.run_job(scenario.command(scenario.variants[0]), pair[1], nodes=1, per_node=2,
+    """Every catalog scenario as a job of one agent of two ranks, two jobs at a time (a job mostly
+    waits: on its stall, its teardown), then a leftovers check over them all."""
+    def run(scenario_id: str, folder: Path) -> runs.JobRun:
+        scenario = scenarios.get(scenario_id)
+        return runs.run_job(scenario.command(scenario.variants[0]), folder, nodes=1, per_node=2,
                             stall_s=2.0, timeout_s=TIMEOUT_S)
 
-    outcomes = in_parallel_kept(run, list(zip(CATALOG, folders, strict=True)), at_once=2)
-    left.check()
-    return dict(zip(CATALOG, outcomes, strict=True))
+    return run_each(run, CATALOG, tmp_path_factory, "job", at_once=2)
 
 
 @pytest.mark.parametrize("scenario_id", CATALOG)
@@ -353,9 +348,7 @@ def test_the_catalog_under_the_doctor_in_a_job(scenario_id, catalog_jobs):
     # are above): the agent that hosts the store outlives a rank that gloo aborts
     from tests.test_scenarios import check_diagnosis
 
-    scenario, outcome = scenarios.get(scenario_id), catalog_jobs[scenario_id]
-    if isinstance(outcome, BaseException):
-        raise outcome
+    scenario, outcome = scenarios.get(scenario_id), result_of(catalog_jobs, scenario_id)
     data = _json(outcome, world=2)
     aborted = -6 in outcome.rank_codes.values()
     if scenario.id == "variable-gather" and data["kind"] == "rank-exited":

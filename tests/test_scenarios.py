@@ -15,7 +15,7 @@ import sys
 from typing import Any
 
 import pytest
-from conftest import Leftovers, in_parallel_kept
+from conftest import result_of, run_each
 
 from helpers import doctor, scenarios
 from helpers.doctor import EXIT_CODES
@@ -88,8 +88,8 @@ def test_fixed_variant_is_ok(scenario_id, leftovers):
     leftovers.check()
 
 
-def _under_the_cli(scenario: scenarios.Scenario, folder) -> tuple[subprocess.CompletedProcess, dict]:
-    out = folder / "diagnosis.json"
+def _under_the_cli(scenario_id: str, folder) -> tuple[subprocess.CompletedProcess, dict]:
+    scenario, out = scenarios.get(scenario_id), folder / "diagnosis.json"
     done = subprocess.run(
         [sys.executable, "-m", "helpers", "doctor", "--num-processes", "2", "--stall-s", str(STALL_S),
          "--json", str(out), "--", *scenario.command(scenario.variants[0])],
@@ -97,44 +97,29 @@ def _under_the_cli(scenario: scenarios.Scenario, folder) -> tuple[subprocess.Com
     return done, json.loads(out.read_text())
 
 
-def _under_plain_torchrun(scenario: scenarios.Scenario, folder) -> tuple[int | None, Any, str]:
+def _under_plain_torchrun(scenario_id: str, folder) -> tuple[int | None, Any, str]:
     # torch's timeout ends a hang here; 5 s, as three runs share two cores: a rank started late
     # must not time out the first collective of a healthy run
+    scenario = scenarios.get(scenario_id)
     return doctor.run_torchrun(scenario.command(scenario.variants[0], pg_timeout_s=5), folder / "trace", 2,
                                timeout_s=180)
 
 
-def _every_scenario(run, tmp_path_factory, name: str) -> dict[str, Any]:
-    """``run(scenario, folder)`` for every scenario, a few at a time (each run mostly waits: on a
-    stall, torch's timeout, a launcher's teardown), then a leftovers check over them all; each
-    test below takes its own scenario's result (or exception)."""
-    folders = [tmp_path_factory.mktemp(f"{name}-{scenario_id}") for scenario_id in IDS]
-    left = Leftovers()
-    pairs = list(zip(IDS, folders, strict=True))
-    results = in_parallel_kept(lambda pair: run(scenarios.get(pair[0]), pair[1]), pairs)
-    left.check()
-    return dict(zip(IDS, results, strict=True))
-
-
 @pytest.fixture(scope="module")
 def cli_runs(tmp_path_factory) -> dict[str, Any]:
-    return _every_scenario(_under_the_cli, tmp_path_factory, "cli")
+    """Every scenario under the command line, a few at a time (each run mostly waits on a stall)."""
+    return run_each(_under_the_cli, IDS, tmp_path_factory, "cli")
 
 
 @pytest.fixture(scope="module")
 def torchrun_runs(tmp_path_factory) -> dict[str, Any]:
-    return _every_scenario(_under_plain_torchrun, tmp_path_factory, "torchrun")
-
-
-def _result(runs: dict[str, Any], scenario_id: str) -> Any:
-    if isinstance(runs[scenario_id], BaseException):
-        raise runs[scenario_id]
-    return runs[scenario_id]
+    """Every scenario under plain torchrun, a few at a time (each mostly waits on torch's timeout)."""
+    return run_each(_under_plain_torchrun, IDS, tmp_path_factory, "torchrun")
 
 
 @pytest.mark.parametrize("scenario_id", IDS)
 def test_scenario_under_the_cli(scenario_id, cli_runs):
-    done, data = _result(cli_runs, scenario_id)
+    done, data = result_of(cli_runs, scenario_id)
     assert done.returncode == EXIT_CODES[data["verdict"]], done.stderr[-3000:]
     assert f"doctor: {data['verdict']} ({data['kind']})" in done.stderr
     assert "RuntimeWarning" not in done.stderr  # runpy's "found in sys.modules" (-m helpers.trace)
@@ -143,7 +128,7 @@ def test_scenario_under_the_cli(scenario_id, cli_runs):
 
 @pytest.mark.parametrize("scenario_id", IDS)
 def test_scenario_under_plain_torchrun(scenario_id, torchrun_runs):
-    code, diagnosis, output = _result(torchrun_runs, scenario_id)
+    code, diagnosis, output = result_of(torchrun_runs, scenario_id)
     assert (code == 0) == (diagnosis.verdict == "ok"), output[-3000:]
     check_diagnosis(diagnosis.to_dict(), scenarios.get(scenario_id), "torchrun", 2, stall_s=None)
 

@@ -46,34 +46,29 @@ def rank_conditional(filename: str | None, line: int | None) -> bool:
 
 def enclosing_loop(filename: str | None, line: int | None) -> int | None:
     """The header line of the innermost for/while loop around ``line`` (None outside loops)."""
+    loop = _innermost(filename, line, (ast.For, ast.While))
+    return loop.lineno if loop is not None else None
+
+
+def _innermost(filename: str | None, line: int | None, kinds: tuple[type, ...]) -> Any:
+    """The innermost node of one of ``kinds`` whose lines hold ``line`` (None when there is none)."""
     parsed = _tree(filename)
     if parsed is None or line is None:
         return None
-    best = None
-    for node in ast.walk(parsed[0]):
-        if isinstance(node, (ast.For, ast.While)) and node.lineno <= line <= (node.end_lineno or 0):
-            if best is None or node.lineno > best:
-                best = node.lineno
-    return best
+    around = [node for node in ast.walk(parsed[0])
+              if isinstance(node, kinds) and node.lineno <= line <= (node.end_lineno or 0)]
+    return max(around, key=lambda node: node.lineno, default=None)
 
 
 def loop_left(filename: str | None, inside: int | None, after: int | None) -> int | None:
     """The header line of the innermost loop around line ``inside`` when line ``after`` lies past
     that loop's end in the same function (None otherwise): a rank at ``after`` has left the loop that
     a rank at ``inside`` is still in."""
-    parsed = _tree(filename)
-    if parsed is None or inside is None or after is None:
+    loop = _innermost(filename, inside, (ast.For, ast.While))
+    if loop is None or after is None or after <= (loop.end_lineno or after):
         return None
-    header = enclosing_loop(filename, inside)
-    loop = next((node for node in ast.walk(parsed[0])
-                 if isinstance(node, (ast.For, ast.While)) and node.lineno == header), None)
-    if loop is None or after <= (loop.end_lineno or after):
-        return None
-    functions = [node for node in ast.walk(parsed[0])
-                 if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef))
-                 and node.lineno <= loop.lineno <= (node.end_lineno or 0)]
-    scope = max(functions, key=lambda node: node.lineno, default=None)  # the innermost
-    return header if scope is None or after <= (scope.end_lineno or 0) else None
+    scope = _innermost(filename, loop.lineno, (ast.FunctionDef, ast.AsyncFunctionDef))
+    return loop.lineno if scope is None or after <= (scope.end_lineno or 0) else None
 
 
 def source_line(frame: dict[str, Any]) -> str:

@@ -316,8 +316,8 @@ def _left_loop(sites: dict[int, tuple[str, int] | None], leavers: list[int], sta
     if not leavers or len(inside) != 1 or None in inside or any(sites[rank] is None for rank in leavers):
         return ""
     file, line = inside.pop()
-    headers = {loop_left(file, line, sites[rank][1]) if sites[rank][0] == file else None  # type: ignore[index]
-               for rank in leavers}
+    headers = {loop_left(file, line, site[1]) if site[0] == file else None
+               for site in (sites[rank] for rank in leavers) if site is not None}
     if len(headers) != 1 or None in headers:
         return ""
     several = len(leavers) > 1
