@@ -399,12 +399,14 @@ def _wrap(name: str, original: Callable, plan: _Plan) -> Callable:
     an async call's tensors until ``wait()`` (``TensorShelf`` in ProcessGroupNCCL.hpp), and in a
     ``_coalescing_manager`` an async call returns ``_IllegalWork``, whose ``wait()`` raises.
 
-    The largest single piece is the sequence number: torch binds ``_get_sequence_number_for_group``
-    with ``py::gil_scoped_release`` (torch/csrc/distributed/c10d/init.cpp), so each read lets go
-    of the GIL and takes it back. Against a stand-in that returns a constant, in turns at 1 MiB
-    on 2 gloo ranks, it cost 0.004-0.017 of the call. It stays: the doctor matches the records
-    with each other and with the Flight Recorder's entries by it, and counting calls here would
-    miss the collectives torch issues from C++ (DDP's), which advance the same number.
+    The largest single piece is the sequence number. Against a stand-in that returns a constant, in
+    turns at 1 MiB on 2 gloo ranks, it cost 0.004-0.017 of the call. Not for letting go of the GIL
+    (torch binds it with ``py::gil_scoped_release``, torch/csrc/distributed/c10d/init.cpp): the
+    group's ``rank()`` or ``size()`` in its place cost as much, and a bound method kept per group
+    no less; a pybind call on the group costs that much after a collective. It stays: the doctor
+    matches the records with each other and with the Flight Recorder's entries by it, and counting
+    calls here would miss the collectives torch issues from C++ (DDP's), which advance the same
+    number.
     """
     group_at, async_at, compared_at, peer_at = plan.group, plan.async_op, plan.compared, plan.peer_at
     multi, seen, now, caller = plan.multi, plan.seen, time.time, sys._getframe
