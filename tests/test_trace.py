@@ -448,3 +448,43 @@ def test_a_call_with_no_python_frame_above_it_is_recorded_without_a_site(tmp_pat
         os.close(tracer.fd)
     op = json.loads((tmp_path / "trace-0.jsonl").read_text().splitlines()[0])
     assert op["op"] == "barrier" and "where" not in op
+
+
+def test_the_traced_function_takes_the_ops_own_parameters_or_reads_args_and_kwargs_alike(tmp_path):
+    """Where an op's signature can be copied, the traced function takes its parameters (and
+    defaults) and passes them on; where it cannot (a keyword-only parameter), it takes ``*args,
+    **kwargs``. Both record the same call alike, given by position or by keyword."""
+    import torch
+
+    from helpers.trace import tracer as tracing
+
+    def send(tensor, dst=None, group=None, tag=0, group_dst=None):  # torch's order
+        return (tensor, dst, group, tag, group_dst)
+
+    def send_keyword_only(tensor, dst=None, group=None, tag=0, *, group_dst=None):
+        return (tensor, dst, group, tag, group_dst)
+
+    copied, fallback = tracing._Plan("send", send), tracing._Plan("send", send_keyword_only)
+    assert copied.params == ["tensor", "dst", "group", "tag", "group_dst"] and fallback.params is None
+    traced = {"copied": tracing._wrap("send", send, copied),
+              "fallback": tracing._wrap("send", send_keyword_only, fallback)}
+    assert traced["copied"].__wrapped__ is send and traced["copied"].__name__ == "send"
+    tensor = torch.ones(3)
+    records: dict[str, list] = {}
+    installed = tracing.current
+    for form, function in traced.items():
+        (tmp_path / form).mkdir()
+        tracer = tracing.current = tracing.Tracer(tmp_path / form, 0)
+        try:
+            assert function(tensor, 1) == (tensor, 1, None, 0, None)  # defaults passed on
+            assert function(tensor, dst=2, tag=5) == (tensor, 2, None, 5, None)
+            assert function(tensor=tensor, dst=3) == (tensor, 3, None, 0, None)
+            tracer.flush()
+        finally:
+            tracing.current = installed
+            tracer.close()
+        lines = (tmp_path / form / "trace-0.jsonl").read_text().splitlines()
+        ops = [record for record in map(json.loads, lines) if record["ev"] == "op"]
+        records[form] = [{key: op[key] for key in ("op", "peer", "shapes")} for op in ops]
+    assert records["copied"] == records["fallback"] == [
+        {"op": "send", "peer": peer, "shapes": [[3]]} for peer in (1, 2, 3)]
