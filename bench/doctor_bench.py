@@ -133,18 +133,21 @@ def _interleaved_calls(sizes: dict[str, int], rounds: int, calls: int) -> dict[s
     for size, count in sizes.items():
         tensor = torch.ones(count)
         times: dict[str, list[float]] = {name: [] for name in names}
+        cpu = dict.fromkeys(names, 0.0)  # the calling thread's CPU seconds, per mode
         helper_started = time.clock_gettime(clock)
         for round_ in range(rounds):
             dist.barrier()
             for call in range(calls):
                 for turn in range(len(names)):
                     name = names[(call + round_ + turn) % len(names)]
-                    started = time.perf_counter()
+                    started, started_cpu = time.perf_counter(), time.thread_time()
                     modes[name](tensor)
+                    cpu[name] += time.thread_time() - started_cpu
                     times[name].append(time.perf_counter() - started)
         trace.flush()  # what the helper has not written yet is this size's work
         helper_s = time.clock_gettime(clock) - helper_started
-        found[size] = {"times": times, "helper_interleaved": helper_s / (rounds * calls),
+        found[size] = {"times": times, "cpu": {name: spent / (rounds * calls) for name, spent in cpu.items()},
+                       "helper_interleaved": helper_s / (rounds * calls),
                        "helper_per_call": _helper_cpu_all_traced(tensor, clock, rounds * calls // 4)}
     trace.finish("finished")
     return found
@@ -209,8 +212,11 @@ def _overhead_row(found: dict) -> tuple[float, str]:
     modes = ("untraced", "traced", "untraced again", "busy")
     base, traced, again, busy = (_median(times[mode]) for mode in modes)
     bound = (traced + helper) / base
+    cpu = found["cpu"]
+    own, floor = (1e6 * (cpu[mode] - cpu["untraced"]) for mode in ("traced", "untraced again"))
+    own_text = f"{own:.1f} ({floor:+.1f})"
     return bound, (f"{1e6 * base:>13.1f}{1e6 * traced:>11.1f}{traced / base:>17.3f}{again / base:>19.3f}"
-                   f"{busy / base:>15.3f}{helper_text:>22}{bound:>13.3f}")
+                   f"{busy / base:>15.3f}{own_text:>17}{helper_text:>22}{bound:>13.3f}")
 
 
 def _fr_env(stacks: bool = False) -> dict[str, str]:
@@ -235,9 +241,12 @@ def overhead_rows(quick: bool) -> list[str]:
              "turns, where its wake-ups fall on four calls per traced call, in brackets), is added in the "
              "last column, as if it all delayed the calls (an upper bound). Each rank's own medians (the "
              "two ranks' traced/untraced have differed by 0.02 in one run, more than the noise floor); "
-             "the target is judged on the worse:",
+             "'wrapper us/call': the calling thread's CPU per call, traced minus untraced (untraced again "
+             "minus untraced in brackets, its noise floor): steadier than the ratios, it tells changes to "
+             "the wrapper apart that the medians' noise hides; the target is judged on the worse bound:",
              f"{'size':<8}{'rank':>5}{'untraced us':>13}{'traced us':>11}{'traced/untraced':>17}"
-             f"{'untraced/untraced':>19}{'busy/untraced':>15}{'helper us/call':>22}{'with helper':>13}"
+             f"{'untraced/untraced':>19}{'busy/untraced':>15}{'wrapper us/call':>17}{'helper us/call':>22}"
+             f"{'with helper':>13}"
              "  target"]
     for name, target in SIZES_TARGET.items():
         rows = [_overhead_row(found[name]) for found in by_rank]
