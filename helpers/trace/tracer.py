@@ -391,12 +391,21 @@ def _wrap(name: str, original: Callable, plan: _Plan) -> Callable:
     arguments inline, on purpose: a collective leaves the processor's caches cold, and there each
     Python call costs microseconds (bench/doctor_bench.py, section 2).
 
-    It is made per op from ``_TRACED_SOURCE`` so that it takes the op's own parameters: the
-    interpreter binds the arguments, with no tuple and dict per call to look into by position or
-    keyword, and the user's line is checked first (torch's inner calls only where it is not). On 2
-    gloo ranks at 1 MiB, in turns against the ``*args, **kwargs`` wrapper it replaced, the calling
-    thread's CPU per traced call fell from 23.7-23.9 us to 16.4-16.8 us (the bench's
-    'wrapper us/call'; the two orders of the checks alone were 1.5 us of it).
+    After a collective, what costs is the number of distinct objects the wrapper touches, each a
+    cold cache line, more than the instructions it runs: each part of it (the frame, the sequence
+    number, the signature check, the queued item, the end) cost 3-5 us of the calling thread's CPU
+    at 1 MiB on 2 gloo ranks, and any of them 0.2-0.4 us warm. So it touches as few as it can:
+    it is made per op from ``_TRACED_SOURCE`` and takes the op's own parameters (the interpreter
+    binds the arguments: no tuple and dict per call to look into); the op's flags and the item's
+    indices are literals in its text, not globals or closure cells; the default group is a plain
+    attribute of torch's ``_world``; the sequence number comes from the unbound pybind method (no
+    bound method made); the user's line is checked before torch's inner calls; and a call with the
+    signature of the op's previous call (a loop's next) skips the lookup of its signature. In turns
+    with the ``*args, **kwargs`` wrapper it replaced, in the same 2 gloo ranks (3 launches), the
+    calling thread's CPU per traced call fell from 15.0-17.0 to 9.8-11.5 us at 1 MiB and from
+    11.1-15.0 to 7.2-10.0 us at 4 KiB, and traced/untraced at 1 MiB from 1.037-1.052 to
+    1.017-1.030 (the bench's 'wrapper us/call'; absolute figures move with what else runs in the
+    turns: 23.8 against 16.6 us in a run with other variants).
 
     Two ways to make it cheaper were measured against it, in turns, and not kept: this same
     common call written in C (vectorcall; 0.9 against 1.4 us warm) and launching a blocking call
@@ -417,9 +426,9 @@ def _wrap(name: str, original: Callable, plan: _Plan) -> Callable:
     number.
     """
     namespace: dict[str, Any] = {}
-    source = "\n" * (_TRACED_LINE - 1) + string.Template(_TRACED_SOURCE).substitute(plan.argument_texts())
+    source = "\n" * (_TRACED_LINE - 1) + _traced_text(plan.argument_texts())
     exec(compile(source, __file__, "exec"), globals(), namespace)  # noqa: S102 - the text above
-    traced = namespace["make"](original, plan, sys._getframe, time.time, _default_group_reader(),
+    traced = namespace["make"](original, plan, sys._getframe, time.time, _default_world(), _sequence_reader(),
                                _inner_codes)
     functools.update_wrapper(traced, original)
     traced.__defaults__ = plan.defaults
@@ -430,10 +439,13 @@ def _wrap(name: str, original: Callable, plan: _Plan) -> Callable:
 # The traced function, made per op by ``_wrap``: ``$params`` is the op's own parameters (its
 # defaults set after) and ``$call`` passes them on, or ``*args, **kwargs`` where its signature
 # cannot be copied; the arguments the record describes are read as ``$group``, ``$async_op``,
-# ``$compared`` and ``$peer``. Its frames show these lines of this file.
+# ``$compared`` and ``$peer``; the op's flags and this module's constants are written in as
+# literals (``_traced_text``): after a collective, each read of a global or a closure's cell is a
+# cold cache line (bench/doctor_bench.py's 'wrapper us/call'). Its frames show these lines of
+# this file.
 _TRACED_LINE = sys._getframe().f_lineno + 1  # the first line of the text below, in this file
-_TRACED_SOURCE = """def make(original, plan, caller, now, default_group, inner):
-    multi, seen, always_async, split_sizes = plan.multi, plan.seen, plan.always_async, plan.split_sizes
+_TRACED_SOURCE = """def make(original, plan, caller, now, world, sequence, inner):
+    seen, split_sizes = plan.seen, plan.split_sizes
 
     def traced($params):
         tracer = current
@@ -451,22 +463,30 @@ _TRACED_SOURCE = """def make(original, plan, caller, now, default_group, inner):
                 frame = user_frame(frame)
         op_id = next(tracer.ids)
         group = $group
-        try:
-            seq = (group if group is not None else default_group())._get_sequence_number_for_group() + 1
-        except Exception:  # no group yet: torch raises its own error
+        pg = group if group is not None else world._default_pg
+        try:  # never with None: the unbound method would take it for a null group and crash
+            seq = sequence(pg) + 1 if pg is not None else None
+        except Exception:  # not a group: torch raises its own error
             seq = None
-        blocking = not ($async_op or always_async)
+        blocking = not ($async_op or $always_async)
         tensors = $compared
         peer = $peer
         code, offset = (frame.f_code, frame.f_lasti) if frame is not None else (None, 0)
         queue = tracer.queue
-        item = [_OP, op_id, plan, group, seq, blocking, tensors, peer, code, offset, now(), None,
+        item = [$OP, op_id, plan, group, seq, blocking, tensors, peer, code, offset, now(), None,
                 _NO_SEQ_END]
         queue.append(item)
-        signature = (id(group), id(code), offset, getattr(tensors, "nbytes", None))
+        nbytes = getattr(tensors, "nbytes", None)
+        last = plan.last
+        signature = None
         try:
-            first = signature not in seen  # the first call from this site with this many bytes
-        except TypeError:  # an unhashable "nbytes" (not a tensor's): a first every time
+            if code is last[1] and offset == last[2] and group is last[0] and nbytes == last[3]:
+                first = False  # the op's last call again (a loop's next): no signature to look up
+            else:
+                signature = (id(group), id(code), offset, nbytes)
+                first = signature not in seen  # the first call from this site with this many bytes
+                plan.last = (group, code, offset, nbytes)
+        except Exception:  # an unhashable or odd "nbytes" (not a tensor's): a first every time
             first = True
         if first:
             plan.remember(signature)
@@ -478,18 +498,18 @@ _TRACED_SOURCE = """def make(original, plan, caller, now, default_group, inner):
         except BaseException as exc:
             tracer.write({"ev": "end", "id": op_id, "t": now(), "ok": False,
                           "error": f"{type(exc).__name__}: {exc}"[:800]})
-            item[_ENDED] = now()  # after its start left the queue: it is no longer running
+            item[$ENDED] = now()  # after its start left the queue: it is no longer running
             raise
         if not blocking and result is not None:
             tracer._watch_async(op_id, result)
             return result
-        if multi and seq is not None:
-            item[_SEQ_END] = _sequence(group if group is not None else default_group())
-        item[_ENDED] = now()  # its end, if the helper has not written the start yet
+        if $multi and seq is not None:
+            item[$SEQ_END] = _sequence(group if group is not None else world._default_pg)
+        item[$ENDED] = now()  # its end, if the helper has not written the start yet
         if tracer.started_on_file >= op_id:  # it has (see ``Tracer._drain``)
-            queue.append((_END, op_id, item[_ENDED], item[_SEQ_END]))
+            queue.append(($END, op_id, item[$ENDED], item[$SEQ_END]))
             tracer.flush()
-        elif len(queue) > QUEUE_MAX:  # no helper thread
+        elif len(queue) > $QUEUE_MAX:  # no helper thread
             tracer.flush()
         return result
 
@@ -500,16 +520,41 @@ _TRACED_SOURCE = """def make(original, plan, caller, now, default_group, inner):
 _inner_codes: set[int] = set()  # ids of the code of torch's traced ops: the calls they make are theirs
 
 
-def _default_group_reader() -> Callable[[], Any]:
-    """A function of no arguments that returns the default process group (None before
-    ``init_process_group``): torch's ``_world._default_pg`` read in C where it exists
-    (``_get_default_group()`` costs three Python calls, and this runs at every traced call)."""
+def _traced_text(arguments: dict[str, str]) -> str:
+    """``_TRACED_SOURCE`` for an op: its ``arguments`` (``_Plan.argument_texts``), and the
+    constants the queue's items are read by, as literals."""
+    return string.Template(_TRACED_SOURCE).substitute(
+        arguments, OP=_OP, END=_END, ENDED=_ENDED, SEQ_END=_SEQ_END, QUEUE_MAX=QUEUE_MAX)
+
+
+def _sequence_reader() -> Callable[[Any], int]:
+    """torch's ``ProcessGroup._get_sequence_number_for_group`` as a function of the group: called
+    so, no bound method is made and looked up per call. Never to be called with None: pybind11
+    passes it on as a null group, and the process dies (SIGSEGV)."""
+    import torch.distributed as dist
+
+    method = getattr(getattr(dist, "ProcessGroup", None), "_get_sequence_number_for_group", None)
+    return method if method is not None else operator.methodcaller("_get_sequence_number_for_group")
+
+
+class _PublicWorld:
+    """The default group under torch's public name, where torch has no ``_world._default_pg``."""
+
+    @property
+    def _default_pg(self) -> Any:
+        import torch.distributed.distributed_c10d as c10d
+
+        return c10d.GroupMember.WORLD
+
+
+def _default_world() -> Any:
+    """An object whose ``_default_pg`` is the default process group (None before
+    ``init_process_group``): torch's ``_world``, read as a plain attribute at every traced call
+    (``_get_default_group()`` costs three Python calls), or its public spelling in another torch."""
     import torch.distributed.distributed_c10d as c10d
 
     world = getattr(c10d, "_world", None)
-    if world is not None and hasattr(world, "_default_pg"):
-        return functools.partial(getattr, world, "_default_pg")
-    return lambda: c10d.GroupMember.WORLD  # another torch: its public spelling
+    return world if world is not None and hasattr(world, "_default_pg") else _PublicWorld()
 
 
 _ABSENT = (1 << 30, "\0")  # where a parameter an op lacks would be: read as None, no test per call
@@ -538,6 +583,7 @@ class _Plan:
         self.objects = name in OBJECT_LISTS  # its compared argument is a list of objects: its length
         self.split_sizes = _split_sizes if name in SPLIT_OPS else None  # read into the peer's place
         self.seen: set[tuple] = set()  # (group, code, offset, nbytes) of the calls made
+        self.last: tuple = (None, None, None, None)  # the last call's (group, code, offset, nbytes)
         self.params, self.defaults = _copied_signature(signature, self)
 
     def argument_texts(self) -> dict[str, str]:
@@ -548,28 +594,33 @@ class _Plan:
         if self.params is not None:
             call = ", ".join(self.params)
             texts = {name: where[1] if where is not _ABSENT else "None" for name, where in self._places()}
-            texts.update(params=call, call=call)
+            texts.update(params=call, call=call, **self._flags())
             if self.split_sizes is not None:
                 texts["peer"] = f"split_sizes(({call},), {{}})"
             return texts
         texts = {name: (f"(args[{where[0]}] if len(args) > {where[0]} else kwargs.get({where[1]!r}))"
                         if where is not _ABSENT else "None") for name, where in self._places()}
-        texts.update(params="*args, **kwargs", call="*args, **kwargs")
+        texts.update(params="*args, **kwargs", call="*args, **kwargs", **self._flags())
         if self.split_sizes is not None:
             texts["peer"] = "split_sizes(args, kwargs)"
         return texts
+
+    def _flags(self) -> dict[str, str]:
+        return {"always_async": repr(self.always_async), "multi": repr(self.multi)}
 
     def _places(self) -> list[tuple[str, tuple[int, str]]]:
         return [("group", self.group), ("async_op", self.async_op), ("compared", self.compared),
                 ("peer", self.peer_at)]
 
-    def remember(self, signature: tuple) -> None:
+    def remember(self, signature: tuple | None) -> None:
         """Note a call's signature (the group, the code and the call's offset in it, the compared
         tensor's bytes): the wrapper writes the first call of each before it runs.
 
         Bytes, not shapes: gloo aborts the process when the ranks' byte counts differ, and
         ``nbytes`` is one attribute where shape and dtype are two objects to make and hash.
         """
+        if signature is None:  # one that could not be looked up
+            return
         if len(self.seen) >= _SEEN_KEPT:
             self.seen.clear()
         try:
@@ -615,9 +666,9 @@ def _copied_signature(signature: inspect.Signature, plan: _Plan) -> tuple[list[s
 @functools.cache
 def _traced_names() -> frozenset[str]:
     """Every name the traced function's text uses (a parameter of the same name would hide it)."""
-    texts = dict.fromkeys(("group", "async_op", "compared", "peer"), "None")
+    texts = dict.fromkeys(("group", "async_op", "compared", "peer", "always_async", "multi"), "None")
     texts.update(params="*args, **kwargs", call="*args, **kwargs")
-    make = compile(string.Template(_TRACED_SOURCE).substitute(texts), __file__, "exec").co_consts[0]
+    make = compile(_traced_text(texts), __file__, "exec").co_consts[0]
     traced = next(each for each in make.co_consts if getattr(each, "co_name", None) == "traced")
     return frozenset(make.co_varnames + make.co_names + traced.co_varnames + traced.co_names
                      + traced.co_freevars)
