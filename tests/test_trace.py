@@ -488,3 +488,25 @@ def test_the_traced_function_takes_the_ops_own_parameters_or_reads_args_and_kwar
         records[form] = [{key: op[key] for key in ("op", "peer", "shapes")} for op in ops]
     assert records["copied"] == records["fallback"] == [
         {"op": "send", "peer": peer, "shapes": [[3]]} for peer in (1, 2, 3)]
+
+
+def test_only_a_calls_first_size_from_its_line_is_written_before_it_runs(tmp_path):
+    """The first call from a line with a tensor of a new size is on file before it runs (gloo
+    aborts on a size mismatch); a loop's next call, and a size the line has used before, are not."""
+    import torch
+    import torch.distributed as dist
+
+    from helpers.trace.tracer import Tracer, _Plan
+
+    tracer = Tracer(tmp_path, 0)  # no helper thread: only a first call is written at once
+    firsts: list[dict] = []
+    tracer.on_first = lambda text: firsts.append(json.loads(text))
+    plan = _Plan("all_reduce", dist.all_reduce)
+    sizes = [2, 2, 3, 3, 2, 3, 4]
+    try:
+        for size in sizes:
+            _call_traced(tracer, "all_reduce", plan, torch.ones(size))
+    finally:
+        tracer.close()
+    assert [first["shapes"] for first in firsts] == [[[2]], [[3]], [[4]]]
+    assert [first["id"] for first in firsts] == [1, 3, 7]
