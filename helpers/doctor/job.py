@@ -127,7 +127,9 @@ def run_rank(job: JobEnv, options: JobOptions, command: list[str]) -> NoReturn:
     if error is not None:
         traceback.print_exception(error)
     watchdog.wait_for_verdict()
-    _leave(watchdog.code_after_end(code), from_main=True)
+    # a script that ended because the doctor stopped the job (its collective failed as the other
+    # ranks left) leaves as a rank the watchdog ends: with the processes it started
+    _leave(watchdog.code_after_end(code), from_main=True, stop_children=watchdog.stop_code is not None)
 
 
 def _exit_record(code: int, error: BaseException | None) -> dict[str, Any]:
@@ -157,14 +159,16 @@ _LEAVING = threading.Lock()
 _LEAVER: list[int] = []  # the thread that holds _LEAVING
 
 
-def _leave(code: int, from_main: bool = False) -> NoReturn:
+def _leave(code: int, from_main: bool = False, stop_children: bool = False) -> NoReturn:
     """End the process: exit handlers, flushed streams, no interpreter teardown (see
     ``helpers.launch.rank.run_command_rank``: gloo can abort in it). Once: a second caller waits.
 
     ``from_main`` (the script ended): first wait for the script's non-daemon threads, as Python's
     own exit does (an async checkpoint writer). From the watchdog (the doctor ends a stuck rank)
     the exit handlers get ``ATEXIT_S``, then the processes the rank started are stopped
-    (``stop_own_children``).
+    (``stop_own_children``); from the main thread too with ``stop_children`` (the doctor stopped
+    the job, and the script's collective failed first: a rank's children outlive it otherwise, as
+    torchrun signals only the ranks still running).
     """
     if not _LEAVING.acquire(blocking=False):
         if _LEAVER and _LEAVER[0] == threading.get_ident():
@@ -176,6 +180,8 @@ def _leave(code: int, from_main: bool = False) -> NoReturn:
             if thread is not threading.current_thread() and not thread.daemon:
                 thread.join()
         atexit._run_exitfuncs()
+        if stop_children:
+            stop_own_children()
     else:
         handlers = threading.Thread(target=atexit._run_exitfuncs, daemon=True)
         handlers.start()
