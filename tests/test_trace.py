@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import signal
@@ -452,8 +453,9 @@ def test_a_call_with_no_python_frame_above_it_is_recorded_without_a_site(tmp_pat
 
 def test_the_traced_function_takes_the_ops_own_parameters_or_reads_args_and_kwargs_alike(tmp_path):
     """Where an op's signature can be copied, the traced function takes its parameters (and
-    defaults) and passes them on; where it cannot (a keyword-only parameter), it takes ``*args,
-    **kwargs``. Both record the same call alike, given by position or by keyword."""
+    defaults) and passes them on; where it cannot (a keyword-only parameter, a wrapper in front of
+    the op that takes other parameters), it takes ``*args, **kwargs``. All record the same call
+    alike, given by position or by keyword."""
     import torch
 
     from helpers.trace import tracer as tracing
@@ -464,10 +466,16 @@ def test_the_traced_function_takes_the_ops_own_parameters_or_reads_args_and_kwar
     def send_keyword_only(tensor, dst=None, group=None, tag=0, *, group_dst=None):
         return (tensor, dst, group, tag, group_dst)
 
+    @functools.wraps(send)  # another tool's wrapper, installed before the tracer: other parameters
+    def rewrapped(tensor, dst=None, **options):
+        return send(tensor, dst, **options)
+
     copied, fallback = tracing._Plan("send", send), tracing._Plan("send", send_keyword_only)
     assert copied.params == ["tensor", "dst", "group", "tag", "group_dst"] and fallback.params is None
+    assert tracing._Plan("send", rewrapped).params is None  # its signature reads as send's
     traced = {"copied": tracing._wrap("send", send, copied),
-              "fallback": tracing._wrap("send", send_keyword_only, fallback)}
+              "fallback": tracing._wrap("send", send_keyword_only, fallback),
+              "rewrapped": tracing._wrap("send", rewrapped, tracing._Plan("send", rewrapped))}
     assert traced["copied"].__wrapped__ is send and traced["copied"].__name__ == "send"
     tensor = torch.ones(3)
     records: dict[str, list] = {}
@@ -486,7 +494,7 @@ def test_the_traced_function_takes_the_ops_own_parameters_or_reads_args_and_kwar
         lines = (tmp_path / form / "trace-0.jsonl").read_text().splitlines()
         ops = [record for record in map(json.loads, lines) if record["ev"] == "op"]
         records[form] = [{key: op[key] for key in ("op", "peer", "shapes")} for op in ops]
-    assert records["copied"] == records["fallback"] == [
+    assert records["copied"] == records["fallback"] == records["rewrapped"] == [
         {"op": "send", "peer": peer, "shapes": [[3]]} for peer in (1, 2, 3)]
 
 

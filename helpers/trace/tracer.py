@@ -53,10 +53,11 @@ QUEUE_MAX = 4096  # queued records past which the calling thread writes them its
 UNWAITED_KEPT = 256  # async calls without a future polled at once (more stay open in the records)
 WRITE_EVERY = 32  # records formatted per write while the queue is written out
 _OP, _END = 0, 1  # queued: an op's list [_OP, id, plan, group, seq, blocking, tensors, peer, code,
-#                   offset, t, ended, seq_end] (offset: the call's instruction in the code, f_lasti,
-#                   its line looked up when the record is written; ended: its end time, once it has
-#                   returned), an end tuple (_END, id, t, seq_end), or a record dict
-_ENDED, _SEQ_END = 11, 12  # where an op's list holds its end
+#                   offset, t, ended, seq_end, on_file] (offset: the call's instruction in the code,
+#                   f_lasti, its line looked up when the record is written; ended: its end time, once
+#                   it has returned; on_file: its start has left the queue), an end tuple
+#                   (_END, id, t, seq_end), or a record dict
+_ENDED, _SEQ_END, _ON_FILE = 11, 12, 13  # where an op's list holds its end, and whether it is on file
 _SECONDS = "%.6f"  # a record's times: printf's formatting takes half the time of repr() or format()
 _NO_SEQ_END = object()  # an end without "seq_end" (only calls that issue several collectives have one)
 
@@ -142,7 +143,8 @@ class Tracer:
             if type(item) is not list:
                 texts.append(_record_text(item))
             else:
-                if item[1] > self.started_on_file:  # before its end is read: see ``_wrap``
+                item[_ON_FILE] = True  # before its end is read: see ``_wrap``
+                if item[1] > self.started_on_file:
                     self.started_on_file = item[1]
                 if item[5] and item[_ENDED] is None:  # blocking, not returned yet
                     running.append(item)
@@ -312,7 +314,7 @@ def _item_texts(item: list) -> tuple[str, str]:
 
 def _op_line(item: list, head: str, tail: str) -> str:
     """An op's line from its op texts (``_op_texts``): its id, sequence number, times and end."""
-    _kind, op_id, _plan, _group, seq, _blocking, _tensors, _peer, _code, _offset, t, ended, seq_end = item
+    op_id, seq, t, ended, seq_end = item[1], item[4], item[10], item[_ENDED], item[_SEQ_END]
     if ended is not None:
         tail += f',"te":{_SECONDS % ended},"ok":true'
         if seq_end is not _NO_SEQ_END:
@@ -474,7 +476,7 @@ _TRACED_SOURCE = """def make(original, plan, caller, now, world, sequence, inner
         code, offset = (frame.f_code, frame.f_lasti) if frame is not None else (None, 0)
         queue = tracer.queue
         item = [$OP, op_id, plan, group, seq, blocking, tensors, peer, code, offset, now(), None,
-                _NO_SEQ_END]
+                _NO_SEQ_END, False]
         queue.append(item)
         nbytes = getattr(tensors, "nbytes", None)
         last = plan.last
@@ -485,14 +487,17 @@ _TRACED_SOURCE = """def make(original, plan, caller, now, world, sequence, inner
             else:
                 signature = (id(group), id(code), offset, nbytes)
                 first = signature not in seen  # the first call from this site with this many bytes
-                plan.last = (group, code, offset, nbytes)
+                if not first:
+                    plan.last = (group, code, offset, nbytes)
         except Exception:  # an unhashable or odd "nbytes" (not a tensor's): a first every time
             first = True
         if first:
-            plan.remember(signature)
             tracer.flush()  # on file before the call: gloo aborts the process at once on a size mismatch
             if tracer.on_first is not None:  # and posted where the job's doctor reads it (job.py)
                 tracer.on_first(_record_text(item))
+            plan.remember(signature)  # once on file: another thread's same call may skip its write
+            if signature is not None:
+                plan.last = (group, code, offset, nbytes)
         try:
             result = original($call)
         except BaseException as exc:
@@ -506,7 +511,7 @@ _TRACED_SOURCE = """def make(original, plan, caller, now, world, sequence, inner
         if $multi and seq is not None:
             item[$SEQ_END] = _sequence(group if group is not None else world._default_pg)
         item[$ENDED] = now()  # its end, if the helper has not written the start yet
-        if tracer.started_on_file >= op_id:  # it has (see ``Tracer._drain``)
+        if item[$ON_FILE]:  # it has (see ``Tracer._drain``)
             queue.append(($END, op_id, item[$ENDED], item[$SEQ_END]))
             tracer.flush()
         elif len(queue) > $QUEUE_MAX:  # no helper thread
@@ -524,7 +529,7 @@ def _traced_text(arguments: dict[str, str]) -> str:
     """``_TRACED_SOURCE`` for an op: its ``arguments`` (``_Plan.argument_texts``), and the
     constants the queue's items are read by, as literals."""
     return string.Template(_TRACED_SOURCE).substitute(
-        arguments, OP=_OP, END=_END, ENDED=_ENDED, SEQ_END=_SEQ_END, QUEUE_MAX=QUEUE_MAX)
+        arguments, OP=_OP, END=_END, ENDED=_ENDED, SEQ_END=_SEQ_END, ON_FILE=_ON_FILE, QUEUE_MAX=QUEUE_MAX)
 
 
 def _sequence_reader() -> Callable[[Any], int]:
@@ -584,7 +589,8 @@ class _Plan:
         self.split_sizes = _split_sizes if name in SPLIT_OPS else None  # read into the peer's place
         self.seen: set[tuple] = set()  # (group, code, offset, nbytes) of the calls made
         self.last: tuple = (None, None, None, None)  # the last call's (group, code, offset, nbytes)
-        self.params, self.defaults = _copied_signature(signature, self)
+        self.params, self.defaults = (_copied_signature(signature, self) if _passes_arguments_through(fn)
+                                      else (None, None))
 
     def argument_texts(self) -> dict[str, str]:
         """What ``_TRACED_SOURCE`` leaves open, for this op: the traced function takes the op's own
@@ -661,6 +667,29 @@ def _copied_signature(signature: inspect.Signature, plan: _Plan) -> tuple[list[s
         return None, None
     defaults = tuple(each.default for each in parameters if each.default is not inspect.Parameter.empty)
     return names, defaults
+
+
+_PASS_THROUGH = [inspect.Parameter.VAR_POSITIONAL, inspect.Parameter.VAR_KEYWORD]
+
+
+def _passes_arguments_through(fn: Callable) -> bool:
+    """Does each wrapper in front of ``fn``'s innermost function (the ``__wrapped__`` chain that
+    ``inspect.signature`` follows) take that function's parameters, or ``*args, **kwargs``, as
+    torch's own decorators do? Another tool's wrapper of other parameters, installed before the
+    tracer, would not take the innermost function's parameters given by position."""
+    try:
+        innermost = inspect.signature(fn)
+        for _depth in range(64):  # a chain that never ends: not followed
+            wrapped = getattr(fn, "__wrapped__", None)
+            if wrapped is None:
+                return True
+            own = inspect.signature(fn, follow_wrapped=False)
+            if own != innermost and [each.kind for each in own.parameters.values()] != _PASS_THROUGH:
+                return False
+            fn = wrapped
+    except (TypeError, ValueError):  # a signature that cannot be read
+        return False
+    return False
 
 
 @functools.cache
