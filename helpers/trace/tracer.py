@@ -402,7 +402,8 @@ def _wrap(name: str, original: Callable, plan: _Plan) -> Callable:
     indices are literals in its text, not globals or closure cells; the default group is a plain
     attribute of torch's ``_world``; the sequence number comes from the unbound pybind method (no
     bound method made); the user's line is checked before torch's inner calls; and a call with the
-    signature of the op's previous call (a loop's next) skips the lookup of its signature. In turns
+    signature of the op's previous call (a loop's next) skips the lookup of its signature; its end
+    reads whether its start is on file from its own item (``_ON_FILE``: 0.5-1.3 us). In turns
     with the ``*args, **kwargs`` wrapper it replaced, in the same 2 gloo ranks (3 launches), the
     calling thread's CPU per traced call fell from 15.0-17.0 to 9.8-11.5 us at 1 MiB and from
     11.1-15.0 to 7.2-10.0 us at 4 KiB, and traced/untraced at 1 MiB from 1.037-1.052 to
