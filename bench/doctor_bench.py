@@ -134,7 +134,7 @@ def _interleaved_calls(sizes: dict[str, int], rounds: int, calls: int) -> dict[s
     for size, count in sizes.items():
         tensor = torch.ones(count)
         times: dict[str, list[float]] = {name: [] for name in names}
-        cpu = dict.fromkeys(names, 0.0)  # the calling thread's CPU seconds, per mode
+        cpu: dict[str, list[float]] = {name: [] for name in names}  # the calling thread's CPU seconds
         helper_started = time.clock_gettime(clock)
         for round_ in range(rounds):
             dist.barrier()
@@ -143,32 +143,41 @@ def _interleaved_calls(sizes: dict[str, int], rounds: int, calls: int) -> dict[s
                     name = names[(call + round_ + turn) % len(names)]
                     started, started_cpu = time.perf_counter(), time.thread_time()
                     modes[name](tensor)
-                    cpu[name] += time.thread_time() - started_cpu
+                    cpu[name].append(time.thread_time() - started_cpu)
                     times[name].append(time.perf_counter() - started)
         trace.flush()  # what the helper has not written yet is this size's work
         helper_s = time.clock_gettime(clock) - helper_started
-        found[size] = {"times": times, "cpu": {name: spent / (rounds * calls) for name, spent in cpu.items()},
+        found[size] = {"times": times, "cpu": {name: _trimmed_mean(spent) for name, spent in cpu.items()},
                        "helper_interleaved": helper_s / (rounds * calls),
                        "helper_per_call": _helper_cpu_all_traced(tensor, clock, rounds * calls // 4)}
     trace.finish("finished")
     return found
 
 
-def _helper_cpu_all_traced(tensor: object, clock: int, calls: int) -> float:
-    """The helper thread's CPU seconds per call while every call is traced, as under the doctor.
+def _helper_cpu_all_traced(tensor: object, clock: int, calls: int, blocks: int = 3) -> float:
+    """The helper thread's CPU seconds per call while every call is traced, as under the doctor:
+    the median of ``blocks`` blocks of calls.
 
     Measured apart: in the turns above, its work that comes with time (a wake-up every
-    ``FLUSH_S``, the progress note every ``POLL_S``) falls on four calls per traced call."""
+    ``FLUSH_S``, the progress note every ``POLL_S``) falls on four calls per traced call. The
+    median, not one block: a rank that waited over ``AUTO_STATE_S`` in the barrier before has its
+    state written once, unasked (50 ms of the helper's CPU, 85 us per call in one block), which is
+    no cost per call."""
     import torch.distributed as dist
 
     from helpers import trace
 
-    dist.barrier()
-    started = time.clock_gettime(clock)
-    for _ in range(calls):
-        dist.all_reduce(tensor)
-    trace.flush()
-    return (time.clock_gettime(clock) - started) / calls
+    per_call = []
+    for _block in range(blocks):
+        dist.barrier()
+        started = time.clock_gettime(clock)
+        for _ in range(calls // blocks):
+            dist.all_reduce(tensor)
+        flushed = time.thread_time()
+        trace.flush()  # the helper's work left at the end, done here: counted as the helper's
+        spent = time.clock_gettime(clock) - started + time.thread_time() - flushed
+        per_call.append(spent / (calls // blocks))
+    return _median(per_call)
 
 
 def _pin_rank(rank: int) -> None:
@@ -198,6 +207,12 @@ def _spin(seconds: float) -> None:
 def _median(values: list[float]) -> float:
     ordered = sorted(values)
     return ordered[len(ordered) // 2]
+
+
+def _trimmed_mean(values: list[float], cut: float = 0.01) -> float:
+    """The mean of ``values`` without the largest ``cut`` of them (rare events, not per-call costs)."""
+    ordered = sorted(values)[:max(1, round(len(values) * (1 - cut)))]
+    return sum(ordered) / len(ordered)
 
 
 def _median_ratio(numerators: list[float], denominators: list[float]) -> float:
@@ -242,9 +257,11 @@ def overhead_rows(quick: bool) -> list[str]:
              "turns, where its wake-ups fall on four calls per traced call, in brackets), is added in the "
              "last column, as if it all delayed the calls (an upper bound). Each rank's own medians (the "
              "two ranks' traced/untraced have differed by 0.02 in one run, more than the noise floor); "
-             "'wrapper us/call': the calling thread's CPU per call, traced minus untraced (untraced again "
-             "minus untraced in brackets, its noise floor): steadier than the ratios, it tells changes to "
-             "the wrapper apart that the medians' noise hides; the target is judged on the worse bound:",
+             "'wrapper us/call': the calling thread's CPU per call, traced minus untraced, means of all "
+             "but each mode's slowest 1% (untraced again minus untraced in brackets, its noise floor; "
+             "what the 1% leaves out is rare: a full garbage collection, 60-90 ms once in a run, lands "
+             "in any mode's call): steadier than the ratios, it tells changes to the wrapper apart that "
+             "their noise hides; the target is judged on the worse bound:",
              f"{'size':<8}{'rank':>5}{'untraced us':>13}{'traced us':>11}{'traced/untraced':>17}"
              f"{'untraced/untraced':>19}{'busy/untraced':>15}{'wrapper us/call':>17}{'helper us/call':>22}"
              f"{'with helper':>13}"
