@@ -15,7 +15,10 @@
 3. The wrapper's own CPU time per call, on one rank (target <= 20 microseconds), and where its
    time went on 2 ranks: a call's record text made right after the collective vs in a batch.
 
-Run: .venv/bin/python bench/doctor_bench.py [--quick] [--overhead-only]  (the latter: section 2 alone)
+Run: .venv/bin/python bench/doctor_bench.py [--quick] [--overhead-only] [--against REV]
+(--overhead-only: section 2 alone; --against REV: section 2 also takes turns with the wrapper of
+``helpers/trace/tracer.py`` at git revision REV, in the same ranks, with a tracer and helper thread
+of its own: a change to the wrapper measured side by side with what it replaces)
 """
 
 from __future__ import annotations
@@ -26,6 +29,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from typing import Any
 
 from helpers import doctor, launch, scenarios
 
@@ -103,7 +107,8 @@ def _telling_line(output: str) -> str:
 # 2. tracer overhead
 
 
-def _interleaved_calls(sizes: dict[str, int], rounds: int, calls: int) -> dict[str, dict]:
+def _interleaved_calls(sizes: dict[str, int], rounds: int, calls: int,
+                       against: str | None = None) -> dict[str, dict]:
     """Inside a rank: each call's seconds by (size, mode), the modes taking turns call by call
     (their order rotating), and the helper thread's CPU seconds per traced call.
 
@@ -128,6 +133,9 @@ def _interleaved_calls(sizes: dict[str, int], rounds: int, calls: int) -> dict[s
         untraced(tensor)
 
     modes = {"untraced": untraced, "traced": traced, "untraced again": untraced, "busy": busy}
+    other = _other_tracer(against, untraced) if against else None
+    if other is not None:
+        modes[AGAINST] = other[0]
     names = list(modes)
     clock = time.pthread_getcpuclockid(tracer.helper.ident)
     found: dict[str, dict] = {}
@@ -150,8 +158,61 @@ def _interleaved_calls(sizes: dict[str, int], rounds: int, calls: int) -> dict[s
         found[size] = {"times": times, "cpu": {name: _trimmed_mean(spent) for name, spent in cpu.items()},
                        "helper_interleaved": helper_s / (rounds * calls),
                        "helper_per_call": _helper_cpu_all_traced(tensor, clock, rounds * calls // 4)}
+    if other is not None:
+        other[1].helper.stop()
+        other[1].close()
     trace.finish("finished")
     return found
+
+
+AGAINST = "traced at REV"  # the mode of --against's wrapper
+
+
+def _other_tracer(path: str, untraced: Any) -> tuple[Any, Any]:
+    """``all_reduce`` wrapped by the tracer module at ``path`` (another revision's tracer.py), with
+    a tracer and helper thread of its own (its queued items need not be this revision's); and
+    that tracer."""
+    import importlib.util
+
+    import torch.distributed as dist
+
+    from helpers.trace.helper import Helper
+
+    spec = importlib.util.spec_from_file_location("helpers_bench_other_tracer", path)
+    module = importlib.util.module_from_spec(spec)  # type: ignore[arg-type]
+    spec.loader.exec_module(module)  # type: ignore[union-attr]
+    folder = os.path.join(os.environ["TMPDIR"], "against")
+    os.makedirs(folder, exist_ok=True)
+    module.current = module.Tracer(folder, dist.get_rank())
+    module.current.helper = Helper(module.current)
+    module.current.helper.start()
+    return module._wrap("all_reduce", untraced, module._Plan("all_reduce", untraced)), module.current
+
+
+def _tracer_at(revision: str, folder: str) -> str:
+    """``helpers/trace/tracer.py`` at git ``revision``, written into ``folder``; its path."""
+    text = subprocess.run(["git", "show", f"{revision}:helpers/trace/tracer.py"], capture_output=True,
+                          text=True, check=True, cwd=os.path.dirname(os.path.abspath(__file__))).stdout
+    path = os.path.join(folder, "tracer_at_revision.py")
+    with open(path, "w") as file:
+        file.write(text)
+    return path
+
+
+def against_rows(by_rank: list[dict], revision: str) -> list[str]:
+    """Each rank's traced/untraced and wrapper CPU, this revision's and ``revision``'s, side by side."""
+    lines = [f"this revision's wrapper against {revision}'s, in the same turns (medians; CPU as above):",
+             f"{'size':<8}{'rank':>5}{'traced/untraced':>17}{f'{revision[:10]}/untraced':>22}"
+             f"{'wrapper us/call':>17}{f'{revision[:10]} us/call':>20}"]
+    for name in SIZES:
+        for rank, found in enumerate(by_rank):
+            times, cpu = found[name]["times"], found[name]["cpu"]
+            base = _median(times["untraced"])
+            lines.append(f"{name:<8}{rank:>5}{_median(times['traced']) / base:>17.3f}"
+                         f"{_median(times[AGAINST]) / base:>22.3f}"
+                         f"{1e6 * (cpu['traced'] - cpu['untraced']):>17.1f}"
+                         f"{1e6 * (cpu[AGAINST] - cpu['untraced']):>20.1f}")
+    return lines
 
 
 def _helper_cpu_all_traced(tensor: object, clock: int, calls: int, blocks: int = 3) -> float:
@@ -245,10 +306,11 @@ def _fr_env(stacks: bool = False) -> dict[str, str]:
             "TORCH_INCLUDE_STACK_TRACE": "1" if stacks else trace.FR_STACK_TRACE}
 
 
-def overhead_rows(quick: bool) -> list[str]:
+def overhead_rows(quick: bool, against: tuple[str, str] | None = None) -> list[str]:
+    """Section 2; ``against``: (revision, path of its tracer.py) to take turns with as well."""
     rounds = 6 if quick else ROUNDS
-    by_rank = launch.launch(_interleaved_calls, (SIZES, rounds, CALLS), num_processes=2, timeout_s=600,
-                            env=_fr_env())
+    by_rank = launch.launch(_interleaved_calls, (SIZES, rounds, CALLS, against[1] if against else None),
+                            num_processes=2, timeout_s=600, env=_fr_env())
     lines = [f"wrapper on/off, call by call in the same 2 ranks ({rounds} rounds of {CALLS} calls per mode, "
              "the modes taking turns; Flight Recorder on throughout, as the tracer sets it): medians of "
              f"each mode's calls; 'busy' spins {BUSY_US:.0f} us of plain CPU before an untraced call, a "
@@ -272,6 +334,8 @@ def overhead_rows(quick: bool) -> list[str]:
         for rank, (_bound, text) in enumerate(rows):
             judged = f"  <= {target:.2f}: {verdict}" if rank == len(rows) - 1 else ""
             lines.append(f"{name:<8}{rank:>5}{text}{judged}")
+    if against:
+        lines += against_rows(by_rank, against[0])
     lines += flight_recorder_rows(max(6, rounds // 2))
     return lines
 
@@ -414,6 +478,22 @@ def record_text_rows(quick: bool) -> list[str]:
 
 def main(argv: list[str]) -> int:
     quick = "--quick" in argv
+    if "--against" in argv:
+        revision = argv[argv.index("--against") + 1] if argv.index("--against") + 1 < len(argv) else ""
+        if not revision or revision.startswith("--"):
+            print("bench: --against needs a git revision (e.g. --against HEAD~3)", file=sys.stderr)
+            return 2
+        with tempfile.TemporaryDirectory(prefix="helpers-bench-") as folder:
+            try:
+                against = (revision, _tracer_at(revision, folder))
+            except subprocess.CalledProcessError as exc:
+                print(f"bench: --against {revision}: git cannot show helpers/trace/tracer.py there: "
+                      f"{exc.stderr.strip()}", file=sys.stderr)
+                return 2
+            print("== 2. tracer overhead, 2 gloo ranks ==")
+            for line in overhead_rows(quick, against):
+                print(line, flush=True)
+        return 0
     if "--overhead-only" in argv:
         print("== 2. tracer overhead, 2 gloo ranks ==")
         for line in overhead_rows(quick):
