@@ -120,6 +120,7 @@ def _interleaved_calls(sizes: dict[str, int], rounds: int, calls: int,
     import torch.distributed as dist
 
     from helpers import trace
+    from helpers.trace.helper import Helper
 
     _pin_rank(dist.get_rank())
     tracer = trace.install(os.environ["TMPDIR"], dist.get_rank())
@@ -159,7 +160,7 @@ def _interleaved_calls(sizes: dict[str, int], rounds: int, calls: int,
                        "helper_interleaved": helper_s / (rounds * calls),
                        "helper_per_call": _helper_cpu_all_traced(tensor, clock, rounds * calls // 4)}
     if other is not None:
-        other[1].helper.stop()
+        _set_helper(other[1], Helper, on=False)
         other[1].close()
     trace.finish("finished")
     return found
@@ -184,8 +185,7 @@ def _other_tracer(path: str, untraced: Any) -> tuple[Any, Any]:
     folder = os.path.join(os.environ["TMPDIR"], "against")
     os.makedirs(folder, exist_ok=True)
     module.current = module.Tracer(folder, dist.get_rank())
-    module.current.helper = Helper(module.current)
-    module.current.helper.start()
+    _set_helper(module.current, Helper, on=True)
     return module._wrap("all_reduce", untraced, module._Plan("all_reduce", untraced)), module.current
 
 
@@ -476,29 +476,30 @@ def record_text_rows(quick: bool) -> list[str]:
     return lines
 
 
+def _overhead_only(quick: bool, against: tuple[str, str] | None = None) -> int:
+    print("== 2. tracer overhead, 2 gloo ranks ==")
+    for line in overhead_rows(quick, against):
+        print(line, flush=True)
+    return 0
+
+
 def main(argv: list[str]) -> int:
     quick = "--quick" in argv
     if "--against" in argv:
-        revision = argv[argv.index("--against") + 1] if argv.index("--against") + 1 < len(argv) else ""
+        revision = (argv[argv.index("--against") + 1:] or [""])[0]
         if not revision or revision.startswith("--"):
             print("bench: --against needs a git revision (e.g. --against HEAD~3)", file=sys.stderr)
             return 2
         with tempfile.TemporaryDirectory(prefix="helpers-bench-") as folder:
             try:
-                against = (revision, _tracer_at(revision, folder))
+                path = _tracer_at(revision, folder)
             except subprocess.CalledProcessError as exc:
                 print(f"bench: --against {revision}: git cannot show helpers/trace/tracer.py there: "
                       f"{exc.stderr.strip()}", file=sys.stderr)
                 return 2
-            print("== 2. tracer overhead, 2 gloo ranks ==")
-            for line in overhead_rows(quick, against):
-                print(line, flush=True)
-        return 0
+            return _overhead_only(quick, (revision, path))
     if "--overhead-only" in argv:
-        print("== 2. tracer overhead, 2 gloo ranks ==")
-        for line in overhead_rows(quick):
-            print(line, flush=True)
-        return 0
+        return _overhead_only(quick)
     print("== 1. seconds from the stall to a diagnosis ==")
     for line in detection_rows(quick):
         print(line, flush=True)

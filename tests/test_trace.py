@@ -470,12 +470,11 @@ def test_the_traced_function_takes_the_ops_own_parameters_or_reads_args_and_kwar
     def rewrapped(tensor, dst=None, **options):
         return send(tensor, dst, **options)
 
-    copied, fallback = tracing._Plan("send", send), tracing._Plan("send", send_keyword_only)
-    assert copied.params == ["tensor", "dst", "group", "tag", "group_dst"] and fallback.params is None
-    assert tracing._Plan("send", rewrapped).params is None  # its signature reads as send's
-    traced = {"copied": tracing._wrap("send", send, copied),
-              "fallback": tracing._wrap("send", send_keyword_only, fallback),
-              "rewrapped": tracing._wrap("send", rewrapped, tracing._Plan("send", rewrapped))}
+    functions = {"copied": send, "fallback": send_keyword_only, "rewrapped": rewrapped}
+    plans = {form: tracing._Plan("send", function) for form, function in functions.items()}
+    assert plans["copied"].params == ["tensor", "dst", "group", "tag", "group_dst"]
+    assert plans["fallback"].params is None and plans["rewrapped"].params is None  # the latter reads as send
+    traced = {form: tracing._wrap("send", function, plans[form]) for form, function in functions.items()}
     assert traced["copied"].__wrapped__ is send and traced["copied"].__name__ == "send"
     tensor = torch.ones(3)
     records: dict[str, list] = {}

@@ -590,8 +590,8 @@ class _Plan:
         self.split_sizes = _split_sizes if name in SPLIT_OPS else None  # read into the peer's place
         self.seen: set[tuple] = set()  # (group, code, offset, nbytes) of the calls made
         self.last: tuple = (None, None, None, None)  # the last call's (group, code, offset, nbytes)
-        self.params, self.defaults = (_copied_signature(signature, self) if _passes_arguments_through(fn)
-                                      else (None, None))
+        copied = _passes_arguments_through(fn, signature)
+        self.params, self.defaults = _copied_signature(signature, self) if copied else (None, None)
 
     def argument_texts(self) -> dict[str, str]:
         """What ``_TRACED_SOURCE`` leaves open, for this op: the traced function takes the op's own
@@ -673,13 +673,13 @@ def _copied_signature(signature: inspect.Signature, plan: _Plan) -> tuple[list[s
 _PASS_THROUGH = [inspect.Parameter.VAR_POSITIONAL, inspect.Parameter.VAR_KEYWORD]
 
 
-def _passes_arguments_through(fn: Callable) -> bool:
+def _passes_arguments_through(fn: Callable, innermost: inspect.Signature) -> bool:
     """Does each wrapper in front of ``fn``'s innermost function (the ``__wrapped__`` chain that
     ``inspect.signature`` follows) take that function's parameters, or ``*args, **kwargs``, as
     torch's own decorators do? Another tool's wrapper of other parameters, installed before the
-    tracer, would not take the innermost function's parameters given by position."""
+    tracer, would not take the innermost function's parameters given by position. ``innermost``:
+    ``inspect.signature(fn)``, the innermost function's."""
     try:
-        innermost = inspect.signature(fn)
         for _depth in range(64):  # a chain that never ends: not followed
             wrapped = getattr(fn, "__wrapped__", None)
             if wrapped is None:
