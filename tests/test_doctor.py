@@ -880,6 +880,39 @@ def test_an_op_record_written_after_its_call_returned_closes_the_call():
     assert not view.open and view.last_done_t == 12.0
 
 
+def test_an_open_call_the_group_has_since_passed_is_closed_not_shown_as_where_the_rank_waits():
+    # a rank SIGKILLed between beats: its first all_reduce on file as running, its ends still queued
+    def killed() -> doctor.RankView:
+        view = doctor.RankView(3)
+        view.apply({"ev": "op", "id": 1, "op": "all_reduce", "pg": "0", "seq": 1, "t": 10.0})
+        return view
+
+    by_progress = killed()
+    by_progress.apply({"ev": "pg", "pg": {"0": [3, 3]}, "t": 11.0})  # torch's progress: #3 completed
+    assert not by_progress.open and by_progress.pending_seq() is None
+    behind = killed()
+    behind.apply({"ev": "pg", "pg": {"0": [1, 0]}, "t": 11.0})  # still in #1 when noted: stays open
+    assert list(behind.open) == [1]
+
+    others = {}
+    for rank in range(3):  # the others completed #2 and #3, which no rank leaves before all joined
+        view = doctor.RankView(rank)
+        for seq in (1, 2, 3):
+            view.apply({"ev": "op", "id": seq, "op": "all_reduce", "pg": "0", "seq": seq, "t": 10.0 + seq,
+                        "te": 10.5 + seq, "ok": True, "where": "train.py:8"})
+        view.apply({"ev": "op", "id": 4, "op": "all_reduce", "pg": "0", "seq": 4, "t": 14.0})
+        others[rank] = view
+    found = doctor.diagnose({**others, 3: killed()}, 4, "exited", 1.0)
+    assert found.per_rank[3].op is None and found.per_rank[3].seq is None, found.per_rank[3]
+    assert [found.per_rank[rank].seq for rank in range(3)] == [4, 4, 4]
+    # a broadcast's root may end before a receiver joined: it says nothing of the others
+    rooted = {0: doctor.RankView(0), 1: killed()}
+    rooted[0].apply({"ev": "op", "id": 1, "op": "broadcast", "pg": "0", "seq": 2, "t": 11.0, "te": 11.1,
+                     "ok": True})
+    doctor.diagnose(rooted, 2, "exited", 1.0)
+    assert list(rooted[1].open) == [1]
+
+
 def test_first_divergence_names_the_lowest_sequence_number():
     op = doctor.Op
     same = {("0", 1): op("all_reduce", shapes=[[4]], dtypes=["float32"])}

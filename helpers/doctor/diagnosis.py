@@ -17,7 +17,7 @@ from dataclasses import dataclass, field, fields, replace
 from typing import Any
 
 from helpers import report
-from helpers.collectives import SPLIT_OPS, canonical_op
+from helpers.collectives import ALL_JOIN, SPLIT_OPS, canonical_op
 from helpers.doctor import wording
 from helpers.doctor.records import Evidence, Op, Position, RankView, fr_op
 from helpers.doctor.source import faulthandler_stack, rank_conditional, source_line
@@ -137,6 +137,7 @@ def diagnose(views: dict[int, RankView], num_processes: int, reason: str,
     the others' ranks were not looked at): then it is "unseen" and judged by nobody.
     """
     missing = Position(0, "unseen") if unseen_missing else Position(0, "exited")
+    _close_passed(views)
     positions = {rank: position(views[rank]) if rank in views else replace(missing, rank=rank)
                  for rank in range(num_processes)}
     histories = {rank: history(view) for rank, view in views.items()}
@@ -149,6 +150,28 @@ def diagnose(views: dict[int, RankView], num_processes: int, reason: str,
                         reason=reason, detected_at=time.time())
     fix = wording.fix(kind, [positions[rank] for rank in culprits if rank in positions], cures)
     return Diagnosis(verdict, kind, culprits, summary, fix, detected_after_s, per_rank, evidence)
+
+
+def _close_passed(views: dict[int, RankView]) -> None:
+    """Close each rank's open call that the group has since passed: another rank completed a later
+    collective of the group that no rank leaves before all have joined (``ALL_JOIN``), so this rank
+    issued it too and its record of the earlier call is stale (a rank SIGKILLed between its
+    watchdog's beats, its ends still queued). Not on a rank that used p2p ops (two numberings)."""
+    passed: dict[tuple[int, str], tuple[int, float]] = {}  # (rank, group) -> its highest such seq, end
+    for rank, view in views.items():
+        for op in view.python_ops():
+            if (op.ok and op.seq is not None and op.end is not None and not op.p2p
+                    and canonical_op(op.op) in ALL_JOIN and op.seq > passed.get((rank, op.pg), (0, 0.0))[0]):
+                passed[(rank, op.pg)] = (op.seq, op.end)
+    for rank, view in views.items():
+        if view.used_p2p:
+            continue
+        for op_id, op in list(view.open.items()):
+            later = [done for (other, group), done in passed.items()
+                     if other != rank and group == op.pg and op.seq is not None and done[0] > op.seq]
+            if later:
+                del view.open[op_id]
+                op.end, op.ok = min(end for _seq, end in later), True
 
 
 def _verdict(kind: str, reason: str, positions: dict[int, Position]) -> str:

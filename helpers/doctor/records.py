@@ -88,6 +88,7 @@ class RankView:
     stack_text: str = ""
     silent: bool = False  # its helper thread did not answer: its stack came from py-spy
     workers: list[dict[str, Any]] = field(default_factory=list)  # its DataLoader workers' stacks (py-spy)
+    used_p2p: bool = False  # a p2p op was recorded: the groups' progress numbers differ from "seq"
 
     def apply(self, event: dict[str, Any]) -> None:
         """Fold one trace record into the view."""
@@ -119,6 +120,7 @@ class RankView:
         self.order.append(event["id"])
         self.ops[event["id"]] = op
         self.open[event["id"]] = op
+        self.used_p2p = self.used_p2p or op.p2p
         if self.group_up_t is None:
             self.group_up_t = event["t"]
 
@@ -138,6 +140,20 @@ class RankView:
                 self.last_done_t = max(self.last_done_t or 0.0, t)
         if progress != self.progress:
             self.progress, self.progress_t = progress, t
+        self._close_completed(t)
+
+    def _close_completed(self, t: float) -> None:
+        """Close the open calls that the groups' progress shows completed: their ends were not on
+        file (still queued when the rank was SIGKILLed, or not written yet), and a rank killed
+        after five collectives must not show as waiting in its first. Not once the rank has used
+        p2p ops: then torch's two numberings differ (``diagnosis.history``)."""
+        if self.used_p2p:
+            return
+        for op_id, op in list(self.open.items()):
+            done = self.progress.get(op.pg)
+            if op.seq is not None and done is not None and done[1] >= op.seq:
+                del self.open[op_id]
+                op.end, op.ok = t, True
 
     def waiting_since(self) -> float | None:
         """When this rank started waiting in the collective it is still in (None: not waiting)."""
