@@ -8,10 +8,12 @@
 2. Tracer overhead on 2 gloo ranks, each pinned to a core of its own (unpinned, the noise floor
    swung 0.69-1.14 on a 2-core VM): untraced, traced and untraced all_reduces of 4 KiB and 1 MiB
    taking turns call by call in the same ranks, medians per mode: traced/untraced next to
-   untraced/untraced (the noise floor), a busy control, the calling thread's CPU per call traced
-   minus untraced (steadier than the ratios: what a change to the wrapper is judged by), and the
-   helper thread's CPU per traced call added as an upper bound; the targets are issue 12's. The
-   Flight Recorder (on throughout) is measured at launch granularity.
+   untraced/untraced (the noise floor), a busy control, a call behind only the caller's line and
+   the sequence number (what any record needs first: traced minus it is the record's own cost),
+   the calling thread's CPU per call traced minus untraced (steadier than the ratios: what a change
+   to the wrapper is judged by), and the helper thread's CPU per traced call added as an upper
+   bound; the targets are issue 12's. The Flight Recorder (on throughout) is measured at launch
+   granularity.
 3. The wrapper's own CPU time per call, on one rank (target <= 20 microseconds), and where its
    time went on 2 ranks: a call's record text made right after the collective vs in a batch.
 
@@ -133,7 +135,8 @@ def _interleaved_calls(sizes: dict[str, int], rounds: int, calls: int,
         _spin(BUSY_US * 1e-6)
         untraced(tensor)
 
-    modes = {"untraced": untraced, "traced": traced, "untraced again": untraced, "busy": busy}
+    modes = {"untraced": untraced, "traced": traced, "untraced again": untraced, "busy": busy,
+             SITE_SEQ: _site_and_sequence(untraced)}
     other = _other_tracer(against, untraced) if against else None
     if other is not None:
         modes[AGAINST] = other[0]
@@ -167,6 +170,28 @@ def _interleaved_calls(sizes: dict[str, int], rounds: int, calls: int,
 
 
 AGAINST = "traced at REV"  # the mode of --against's wrapper
+SITE_SEQ = "site+seq"  # the mode that does only what any record of the call needs first
+
+
+def _site_and_sequence(untraced: Any) -> Any:
+    """``untraced`` behind what the tracer's wrapper does before it records anything, and what any
+    per-call record needs: the caller's line (its frame, code and offset; whether its file is the
+    user's) and the collective's sequence number. Traced minus this is the record's own cost."""
+    from helpers.trace import tracer as tracer_module
+    from helpers.trace.callsites import user_files
+
+    caller, sequence = sys._getframe, tracer_module._sequence_reader()
+    world = tracer_module._default_world()
+
+    def site_and_sequence(tensor: object) -> object:
+        frame = caller(1)
+        code = frame.f_code
+        user_files.get(code.co_filename)
+        found = (code, frame.f_lasti, sequence(world._default_pg) + 1)
+        del found
+        return untraced(tensor)
+
+    return site_and_sequence
 
 
 def _other_tracer(path: str, untraced: Any) -> tuple[Any, Any]:
@@ -286,14 +311,16 @@ def _overhead_row(found: dict) -> tuple[float, str]:
     and the row's columns."""
     times, helper = found["times"], found["helper_per_call"]
     helper_text = f"{1e6 * helper:.1f} ({1e6 * found['helper_interleaved']:.1f})"
-    modes = ("untraced", "traced", "untraced again", "busy")
-    base, traced, again, busy = (_median(times[mode]) for mode in modes)
+    modes = ("untraced", "traced", "untraced again", "busy", SITE_SEQ)
+    base, traced, again, busy, site = (_median(times[mode]) for mode in modes)
     bound = (traced + helper) / base
     cpu = found["cpu"]
-    own, floor = (1e6 * (cpu[mode] - cpu["untraced"]) for mode in ("traced", "untraced again"))
+    own, floor, site_cpu = (1e6 * (cpu[mode] - cpu["untraced"])
+                            for mode in ("traced", "untraced again", SITE_SEQ))
     own_text = f"{own:.1f} ({floor:+.1f})"
+    site_text = f"{site / base:.3f} ({site_cpu:.1f} us)"
     return bound, (f"{1e6 * base:>13.1f}{1e6 * traced:>11.1f}{traced / base:>17.3f}{again / base:>19.3f}"
-                   f"{busy / base:>15.3f}{own_text:>17}{helper_text:>22}{bound:>13.3f}")
+                   f"{busy / base:>15.3f}{site_text:>20}{own_text:>17}{helper_text:>22}{bound:>13.3f}")
 
 
 def _fr_env(stacks: bool = False) -> dict[str, str]:
@@ -314,7 +341,10 @@ def overhead_rows(quick: bool, against: tuple[str, str] | None = None) -> list[s
     lines = [f"wrapper on/off, call by call in the same 2 ranks ({rounds} rounds of {CALLS} calls per mode, "
              "the modes taking turns; Flight Recorder on throughout, as the tracer sets it): medians of "
              f"each mode's calls; 'busy' spins {BUSY_US:.0f} us of plain CPU before an untraced call, a "
-             "control for what any per-call CPU costs on this machine; the helper thread's CPU per traced "
+             "control for what any per-call CPU costs on this machine; 'site+seq' does only what any "
+             "record of a call needs first, and what the wrapper does before it records: the caller's "
+             "line and the collective's sequence number (its CPU per call in brackets; traced minus "
+             "it is the record's own cost); the helper thread's CPU per traced "
              "call, which the medians leave out (measured in a block where every call is traced; in the "
              "turns, where its wake-ups fall on four calls per traced call, in brackets), is added in the "
              "last column, as if it all delayed the calls (an upper bound). Each rank's own medians (the "
@@ -325,7 +355,8 @@ def overhead_rows(quick: bool, against: tuple[str, str] | None = None) -> list[s
              "in any mode's call): steadier than the ratios, it tells changes to the wrapper apart that "
              "their noise hides; the target is judged on the worse bound:",
              f"{'size':<8}{'rank':>5}{'untraced us':>13}{'traced us':>11}{'traced/untraced':>17}"
-             f"{'untraced/untraced':>19}{'busy/untraced':>15}{'wrapper us/call':>17}{'helper us/call':>22}"
+             f"{'untraced/untraced':>19}{'busy/untraced':>15}{'site+seq/untraced':>20}{'wrapper us/call':>17}"
+             f"{'helper us/call':>22}"
              f"{'with helper':>13}"
              "  target"]
     for name, target in SIZES_TARGET.items():

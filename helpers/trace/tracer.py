@@ -427,6 +427,16 @@ def _wrap(name: str, original: Callable, plan: _Plan) -> Callable:
     matches the records with each other and with the Flight Recorder's entries by it, and counting
     calls here would miss the collectives torch issues from C++ (DDP's), which advance the same
     number.
+
+    What the rest costs, in the bench's turns at 1 MiB on 2 gloo ranks: the caller's line and the
+    sequence number alone ('site+seq', what any record of the call needs first) cost 5.5-6.1 us of
+    CPU and 0.99-1.01 of the call; the whole wrapper 11-16 us and 1.02-1.04. The record's own part
+    is spread over its pieces, none over 2 us: taken out one at a time, the end 1.5-2 us, the
+    signature check 1, the id, the byte count or the call site's code and offset under 1 each, the
+    queued item with its end 2.5; a loop's repeated call kept in place in a list of the op's own
+    instead of a new item, 1.2. Under 1.03 with room to spare takes a record that does no per-call
+    work for a loop's repeated calls (their numbers and times from the Flight Recorder): a change
+    of what a killed rank leaves on file, not made here.
     """
     namespace: dict[str, Any] = {}
     source = "\n" * (_TRACED_LINE - 1) + _traced_text(plan.argument_texts())
