@@ -350,6 +350,34 @@ def test_ranks_waiting_in_different_operations_are_each_named(leftovers):
     leftovers.check()
 
 
+def _subgroup_collective_skipped():
+    import torch
+    import torch.distributed as dist
+
+    rank = dist.get_rank()
+    pair = dist.new_group([2, 3])
+    tensor = torch.ones(2)
+    for step in range(3):
+        dist.all_reduce(tensor)  # line: world all_reduce
+        if rank in (2, 3) and not (rank == 3 and step == 1):
+            dist.all_reduce(tensor, group=pair)  # line: pair all_reduce
+
+
+def test_a_subgroup_collective_one_member_skips_is_named_though_every_rank_waits(leftovers):
+    # rank 2 waits in the pair's all_reduce that rank 3 skipped; rank 3 in the next world all_reduce,
+    # which rank 2 cannot reach: every rank in a collective, no numbered collective issued by two
+    # ranks differently
+    with pytest.raises(doctor.HangDetected) as info:
+        doctor.launch(_subgroup_collective_skipped, num_processes=4, timeout_s=60, stall_s=1.5)
+    found = info.value.diagnosis
+    assert (found.kind, found.ranks) == ("collective-mismatch", [3]), found.summary
+    assert found.summary.startswith(
+        f"Rank 3 never issued the all_reduce of group 1 (ranks 2 and 3) that rank 2 waits in at "
+        f"{HERE}:{_line('pair all_reduce')} (its collective #2): rank 3 waits in the all_reduce at "
+        f"{HERE}:{_line('world all_reduce')} (collective #3 of the default group)"), found.summary
+    leftovers.check()
+
+
 def _uneven_batches(batches_per_rank: list[int]):
     import torch
     import torch.distributed as dist

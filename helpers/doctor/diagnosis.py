@@ -439,6 +439,10 @@ def _classify(positions: dict[int, Position], histories: dict[int, dict], views:
     unanswered = _unanswered_p2p(positions)
     if unanswered:
         return "rank-missing", sorted(set(unanswered.values())), wording.p2p_summary(unanswered, positions)
+    skipped = _skipped_group_collective(positions, histories)
+    if skipped is not None:
+        ranks, waiter, members = skipped
+        return "collective-mismatch", ranks, wording.skipped_group_summary(ranks, waiter, positions, members)
     missing = _missing_ranks(positions)
     if missing:
         return "rank-missing", missing, wording.missing_summary(missing, positions)
@@ -675,6 +679,29 @@ def _unanswered_p2p(positions: dict[int, Position]) -> dict[int, int]:
     """Ranks waiting in a send or recv whose peer waits in another operation, not in the matching
     recv or send to them: {waiting rank: its peer} (the peer is the rank that never arrives)."""
     return {pos.rank: peer.rank for pos, peer in _p2p_waits(positions) if not _facing(pos, peer)}
+
+
+def _skipped_group_collective(positions: dict[int, Position], histories: dict[int, dict]):
+    """A rank waits in a collective of one group while other members of that group, which have not
+    issued it, wait in a collective of another group that the first has not issued either (its
+    ranks reach a subgroup's collective in a branch some of them skip). The wait is a cycle; it
+    is named by the smallest group's collective, the one a branch leaves out. (those ranks, the
+    waiter's position, each group's ranks as far as their collectives were seen), or None."""
+    waiting = {rank: pos for rank, pos in positions.items() if pos.state == "in-collective"
+               and pos.op is not None and pos.seq is not None and not pos.op.p2p}
+    issued: dict[tuple[int, str], int] = {}  # (rank, group) -> the highest number it issued there
+    for rank, history in histories.items():
+        for group, seq in history:
+            issued[(rank, group)] = max(issued.get((rank, group), 0), seq)
+    members = {group: {rank for rank, other in issued if other == group} for _rank, group in issued}
+    for pos in sorted(waiting.values(), key=lambda p: (len(members.get(p.op.pg, ())), p.rank)):
+        group = pos.op.pg
+        ranks = sorted(rank for rank, other in waiting.items() if other.op.pg != group
+                       and rank in members.get(group, ()) and issued[(rank, group)] < pos.seq
+                       and issued.get((pos.rank, other.op.pg), other.seq) < other.seq)  # a cycle
+        if ranks:
+            return ranks, pos, {name: sorted(ranks) for name, ranks in members.items()}
+    return None
 
 
 def _missing_ranks(positions: dict[int, Position]) -> list[int]:

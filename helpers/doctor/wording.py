@@ -423,6 +423,32 @@ def missing_summary(missing: list[int], positions: dict[int, Position]) -> str:
     return text + "; " + "; ".join(where) + "."
 
 
+def skipped_group_summary(skipped: list[int], waiter: Position, positions: dict[int, Position],
+                          members: dict[str, list[int]]) -> str:
+    """Ranks that did not issue a collective of their group that another member waits in, and
+    wait in a collective of another group instead (which the waiting member cannot reach);
+    ``members``: each group's ranks, as far as their collectives were seen."""
+    seq = f" (its collective #{waiter.seq})" if waiter.seq is not None else ""
+    own = (f"{ranks_text(skipped)} never issued the {_op_name(waiter.op)} of "
+           f"{group_text(waiter.op.pg, members)} that rank {waiter.rank} waits in{_at(waiter)}{seq}")
+    instead = []
+    for rank in skipped:
+        pos = positions[rank]
+        number = "" if pos.seq is None else f" (collective #{pos.seq} of {group_text(pos.op.pg, members)})"
+        instead.append(f"rank {rank} waits in the {_op_name(pos.op)}{_at(pos)}{number}")
+    return (f"{own}: {'; '.join(instead)}, which rank {waiter.rank} cannot reach while it waits. "
+            "Each waits for the other: a collective of a subgroup inside a branch that not all of "
+            "its ranks take.")
+
+
+def group_text(name: str, members: dict[str, list[int]]) -> str:
+    """'the default group' (torch names it "0"), 'group 1 (ranks 2 and 3)'."""
+    if name == "0":
+        return "the default group"
+    ranks = members.get(name)
+    return f"group {name} ({ranks_text(ranks).lower()})" if ranks else f"group {name}"
+
+
 def receives(op: Op) -> bool:
     """Is a p2p op a receive (recv, irecv), not a send?"""
     return "recv" in canonical_op(op.op)
