@@ -130,7 +130,10 @@ def test_scenario_under_the_cli(scenario_id, cli_runs):
 def test_scenario_under_plain_torchrun(scenario_id, torchrun_runs):
     code, diagnosis, output = result_of(torchrun_runs, scenario_id)
     assert (code == 0) == (diagnosis.verdict == "ok"), output[-3000:]
-    check_diagnosis(diagnosis.to_dict(), scenarios.get(scenario_id), "torchrun", 2, stall_s=None)
+    try:
+        check_diagnosis(diagnosis.to_dict(), scenarios.get(scenario_id), "torchrun", 2, stall_s=None)
+    except AssertionError as error:  # torchrun's own words tell a run that never started its ranks
+        raise AssertionError(f"{error}\ntorchrun exited {code}:\n{output[-3000:]}") from error
 
 
 # ---------------------------------------------------------------------------------------------
