@@ -941,6 +941,24 @@ def test_an_open_call_the_group_has_since_passed_is_closed_not_shown_as_where_th
     assert list(rooted[1].open) == [1]
 
 
+def test_a_connection_error_before_any_collective_is_the_ranks_own_not_an_echo():
+    # torch 2.13, two torchrun agents restarting (--max-restarts 1): gloo's connectFullMesh inside
+    # init_process_group refused on two ranks, the other two still in it; no collective issued yet
+    error = ("RuntimeError: Gloo connectFullMesh failed with [/__w/pytorch/third_party/gloo/gloo/"
+             "transport/tcp/pair.cc:152] timed out connecting: SO_ERROR: Connection refused, "
+             "remote=[127.0.0.1]:25987$2")
+    views = {}
+    for rank in range(4):
+        views[rank] = view = doctor.RankView(rank)
+        if rank >= 2:
+            view.apply({"ev": "exit", "t": 5.0, "code": 1, "status": "raised", "error": error,
+                        "where": "train.py:4", "file": "train.py", "line": 4})
+            view.ended, view.exit_code = True, 1
+    found = doctor.diagnose(views, 4, "failure", 0.4)
+    assert (found.verdict, found.kind, found.ranks) == ("crash", "rank-exited", [2, 3]), found.summary
+    assert "Gloo connectFullMesh failed" in found.summary and "train.py:4" in found.summary
+
+
 def test_first_divergence_names_the_lowest_sequence_number():
     op = doctor.Op
     same = {("0", 1): op("all_reduce", shapes=[[4]], dtypes=["float32"])}
