@@ -84,6 +84,7 @@ class JobEnv:
     master_port: int
     run_id: str
     restart: str
+    max_restarts: int = 0  # torchrun's --max-restarts: the attempts after the first it may start
 
     @classmethod
     def from_environ(cls, env: dict[str, str] | os._Environ) -> JobEnv | None:
@@ -91,8 +92,17 @@ class JobEnv:
         names = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
         if not all(env.get(name) for name in names):
             return None
+        restarts = env.get("TORCHELASTIC_MAX_RESTARTS", "0")
         return cls(int(env["RANK"]), int(env["WORLD_SIZE"]), env["MASTER_ADDR"], int(env["MASTER_PORT"]),
-                   env.get("TORCHELASTIC_RUN_ID", "job"), env.get("TORCHELASTIC_RESTART_COUNT", "0"))
+                   env.get("TORCHELASTIC_RUN_ID", "job"), env.get("TORCHELASTIC_RESTART_COUNT", "0"),
+                   int(restarts) if restarts.isdigit() else 0)
+
+
+def attempt_path(json_path: str | Path, restart: str) -> Path:
+    """Where a run's diagnosis is also kept when torchrun may restart the job: ``doctor.json`` ->
+    ``doctor.restart-0.json`` for the first run (often the cause; a restart's may be its aftermath)."""
+    path = Path(json_path)
+    return path.with_name(f"{path.stem}.restart-{restart}{path.suffix}")
 
 
 @dataclass
@@ -591,6 +601,11 @@ class Watchdog(threading.Thread):
                                      beats, self.machine, stacks, first_calls)
         diagnosis.notes.append(f"diagnosed inside the job by rank {self.job.rank} (on {self.host}), "
                                f"through the job's store at {self.job.master_addr}:{self.job.master_port}")
+        if self.job.max_restarts and self.options.json_path:
+            kept = attempt_path(self.options.json_path, self.job.restart)
+            diagnosis.notes.append(f"restart {self.job.restart} of at most {self.job.max_restarts} "
+                                   f"(torchrun's --max-restarts): this run's diagnosis is also kept in "
+                                   f"{kept}, which a restart does not replace")
         self._publish(diagnosis)
 
     def _beat_while_leading(self) -> None:
@@ -621,6 +636,8 @@ class Watchdog(threading.Thread):
         if diagnosis.verdict != "ok":
             print(diagnosis.text(), file=sys.stderr)
         paths = [self.options.json_path]
+        if self.job.max_restarts and self.options.json_path:
+            paths.append(attempt_path(self.options.json_path, self.job.restart))
         if self.options.keep_dir is not None:
             paths.append(rundir.diagnosis_path(self.options.keep_dir))
         for path in filter(None, paths):
