@@ -128,8 +128,11 @@ def test_search_on_a_model_unlike_the_built_in_ones(leftovers):
     search = memory.explore(model, 128, 3072, "search").search
     sizes = [p.batch_size for p in search.probes]
     assert search.confirmed and search.probe_sizes <= 8, sizes
-    assert search.failed_above <= search.found + max(1, math.floor(0.02 * search.found)), sizes
-    assert memory.probe(model, search.found, 128).ok
+    step = max(1, math.floor(0.02 * search.found))
+    assert search.failed_above <= search.found + step, sizes
+    # a fresh probe's boundary moves with the heap pytest's earlier tests left (PROBE_NOISE: about
+    # 2 MiB, three samples of this model: 189 failed fresh in a full run after the search had it fit)
+    assert memory.probe(model, search.found - step, 128).ok
     leftovers.check()
 
 
