@@ -170,8 +170,7 @@ def _close_passed(views: dict[int, RankView]) -> None:
             later = [done for (other, group), done in passed.items()
                      if other != rank and group == op.pg and op.seq is not None and done[0] > op.seq]
             if later:
-                del view.open[op_id]
-                op.end, op.ok = min(end for _seq, end in later), True
+                view.close_passed(op_id, min(end for _seq, end in later))
 
 
 def _verdict(kind: str, reason: str, positions: dict[int, Position]) -> str:

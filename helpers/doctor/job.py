@@ -601,12 +601,18 @@ class Watchdog(threading.Thread):
                                      beats, self.machine, stacks, first_calls)
         diagnosis.notes.append(f"diagnosed inside the job by rank {self.job.rank} (on {self.host}), "
                                f"through the job's store at {self.job.master_addr}:{self.job.master_port}")
-        if self.job.max_restarts and self.options.json_path:
-            kept = attempt_path(self.options.json_path, self.job.restart)
+        kept = self._restart_copy()
+        if kept is not None:
             diagnosis.notes.append(f"restart {self.job.restart} of at most {self.job.max_restarts} "
                                    f"(torchrun's --max-restarts): this run's diagnosis is also kept in "
                                    f"{kept}, which a restart does not replace")
         self._publish(diagnosis)
+
+    def _restart_copy(self) -> Path | None:
+        """Where this run's diagnosis is also written when torchrun may restart the job, or None."""
+        if not self.job.max_restarts or not self.options.json_path:
+            return None
+        return attempt_path(self.options.json_path, self.job.restart)
 
     def _beat_while_leading(self) -> None:
         """A heartbeat while gathering evidence, so that no other rank takes over meanwhile."""
@@ -635,9 +641,7 @@ class Watchdog(threading.Thread):
         cannot be written is said, and does not hold up the stop."""
         if diagnosis.verdict != "ok":
             print(diagnosis.text(), file=sys.stderr)
-        paths = [self.options.json_path]
-        if self.job.max_restarts and self.options.json_path:
-            paths.append(attempt_path(self.options.json_path, self.job.restart))
+        paths = [self.options.json_path, self._restart_copy()]
         if self.options.keep_dir is not None:
             paths.append(rundir.diagnosis_path(self.options.keep_dir))
         for path in filter(None, paths):

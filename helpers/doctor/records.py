@@ -152,8 +152,13 @@ class RankView:
         for op_id, op in list(self.open.items()):
             done = self.progress.get(op.pg)
             if op.seq is not None and done is not None and done[1] >= op.seq:
-                del self.open[op_id]
-                op.end, op.ok = t, True
+                self.close_passed(op_id, t)
+
+    def close_passed(self, op_id: int, t: float) -> None:
+        """Close an open call known to have completed (by ``t`` at the latest) though its end is
+        not on file."""
+        op = self.open.pop(op_id)
+        op.end, op.ok = t, True
 
     def waiting_since(self) -> float | None:
         """When this rank started waiting in the collective it is still in (None: not waiting)."""
