@@ -959,6 +959,20 @@ def test_a_connection_error_before_any_collective_is_the_ranks_own_not_an_echo()
     assert "Gloo connectFullMesh failed" in found.summary and "train.py:4" in found.summary
 
 
+def test_a_connection_error_after_cpp_collectives_is_an_echo_though_the_final_dump_is_missing():
+    # CI, plain torchrun, dead-rank: DDP's all-reduce (C++, no Python record) raised 'Connection
+    # closed by peer' on rank 0; torchrun's SIGTERM came after its exit record and before its final
+    # Flight Recorder dump. The exit record's progress says collectives ran: the dead rank is the cause
+    views = {0: doctor.RankView(0), 1: doctor.RankView(1)}
+    views[0].apply({"ev": "exit", "t": 5.0, "status": "raised", "pg": {"0": [6, 6]},
+                    "error": "RuntimeError: Connection closed by peer [127.0.0.1]:32663",
+                    "where": "dead_rank.py:44", "file": "dead_rank.py", "line": 44})
+    views[0].ended, views[0].exit_code = True, -15
+    views[1].ended, views[1].exit_code = True, -9
+    found = doctor.diagnose(views, 2, "failure", 0.4)
+    assert (found.verdict, found.kind, found.ranks) == ("crash", "rank-exited", [1]), found.summary
+
+
 def test_first_divergence_names_the_lowest_sequence_number():
     op = doctor.Op
     same = {("0", 1): op("all_reduce", shapes=[[4]], dtypes=["float32"])}

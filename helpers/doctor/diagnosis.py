@@ -325,7 +325,7 @@ def _failed_inside(view: RankView, error: str | None) -> Op | None:
     entries = [e for e in (view.state or {}).get("fr") or [] if not e.get("is_p2p")]
     pending = [e for e in entries if not e.get("retired")]
     posted = _posted_p2p(view)  # in the wait() of one, mostly
-    if not entries and not posted and not view.python_ops() and view.pending_seq() is None:
+    if not entries and not posted and not view.python_ops() and not view.last_seq():
         return None  # before any collective: init_process_group's own connections, its own error
     if pending or not posted:
         pending = pending or entries[-1:]
