@@ -93,8 +93,8 @@ def faulthandler_stack(text: str) -> list[dict[str, Any]]:
     """
     if not text:
         return []
-    starts = [m.start() for m in _FH_THREAD.finditer(text)]
-    blocks = [text[a:b] for a, b in zip(starts, [*starts[1:], len(text)], strict=True)]
+    starts = [m.start() for m in _FH_THREAD.finditer(text)]  # none: not a dump (cut off), no frames
+    blocks = [text[a:b] for a, b in zip(starts, [*starts[1:], len(text)][:len(starts)], strict=True)]
     dumps: list[list[dict[str, Any]]] = []
     for block in blocks:
         frames = [{"file": m["file"], "line": int(m["line"]), "func": m["func"],
