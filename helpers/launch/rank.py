@@ -99,7 +99,9 @@ def _init_group(spec: RankSpec) -> None:
 
     if spec.backend == "nccl":
         torch.cuda.set_device(spec.rank)
-    dist.init_process_group(
+    init = dist.init_process_group  # the tracer's, when installed: the launcher's own is not recorded
+    init = init.__wrapped__ if getattr(init, "_helpers_traced", False) else init
+    init(
         backend=spec.backend,
         rank=spec.rank,
         world_size=spec.num_processes,
@@ -155,6 +157,18 @@ def _destroy_group() -> None:
             pass
 
 
+def _run_dir_from_environ() -> Path:
+    """The run folder ``HELPERS_TRACE_DIR`` names, made if it is not there yet (every rank of a
+    job under torchrun may be first); a clear exit when it is not set."""
+    value = os.environ.get(rundir.ENV_DIR)
+    if not value:
+        sys.exit(f"helpers.trace: set {rundir.ENV_DIR} to the folder for the ranks' records, e.g. "
+                 f"{rundir.ENV_DIR}=trace torchrun --nproc-per-node 2 -m helpers.trace train.py")
+    run_dir = Path(value)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    return run_dir
+
+
 def run_command_rank(argv: list[str], traced: bool) -> NoReturn:
     """Run ``script.py args`` (or ``-m module args``) as ``__main__`` inside a command rank.
 
@@ -163,7 +177,7 @@ def run_command_rank(argv: list[str], traced: bool) -> NoReturn:
     script, records how it ended and ends the process with the script's exit code (an exception
     propagates as usual, after it was recorded).
     """
-    run_dir = Path(os.environ[rundir.ENV_DIR])
+    run_dir = _run_dir_from_environ()
     rank = int(os.environ.get(rundir.ENV_RANK) or os.environ.get("RANK", "0"))
     stack_handle = install_stack_dump(rundir.stack_path(run_dir, rank), all_threads=not traced)
     if os.environ.get(rundir.ENV_PARENT):  # under helpers.launch
