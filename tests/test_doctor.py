@@ -947,16 +947,44 @@ def test_a_connection_error_before_any_collective_is_the_ranks_own_not_an_echo()
     error = ("RuntimeError: Gloo connectFullMesh failed with [/__w/pytorch/third_party/gloo/gloo/"
              "transport/tcp/pair.cc:152] timed out connecting: SO_ERROR: Connection refused, "
              "remote=[127.0.0.1]:25987$2")
-    views = {}
-    for rank in range(4):
-        views[rank] = view = doctor.RankView(rank)
-        if rank >= 2:
-            view.apply({"ev": "exit", "t": 5.0, "code": 1, "status": "raised", "error": error,
-                        "where": "train.py:4", "file": "train.py", "line": 4})
-            view.ended, view.exit_code = True, 1
-    found = doctor.diagnose(views, 4, "failure", 0.4)
-    assert (found.verdict, found.kind, found.ranks) == ("crash", "rank-exited", [2, 3]), found.summary
-    assert "Gloo connectFullMesh failed" in found.summary and "train.py:4" in found.summary
+    for traced in (False, True):  # the tracer records init_process_group (seq 0): ended with the error
+        views = {}
+        for rank in range(4):
+            views[rank] = view = doctor.RankView(rank)
+            if traced:
+                view.apply(_init_record(rank))
+            if rank >= 2:
+                if traced:
+                    view.apply({"ev": "end", "id": 1, "t": 5.0, "ok": False, "error": error})
+                view.apply({"ev": "exit", "t": 5.0, "code": 1, "status": "raised", "error": error,
+                            "where": "train.py:4", "file": "train.py", "line": 4})
+                view.ended, view.exit_code = True, 1
+        found = doctor.diagnose(views, 4, "failure", 0.4)
+        assert (found.verdict, found.kind, found.ranks) == ("crash", "rank-exited", [2, 3]), found.summary
+        assert "Gloo connectFullMesh failed" in found.summary and "train.py:4" in found.summary
+
+
+def _init_record(rank: int) -> dict:
+    return {"ev": "op", "id": 1, "op": "init_process_group", "pg": "0", "seq": 0, "t": 1.0 + rank,
+            "file": "train.py", "line": 4, "where": "train.py:4"}
+
+
+def test_a_rank_that_never_reached_init_process_group_is_named_after_the_others_timed_out_in_it():
+    # plain torchrun, post-mortem: rank 0 waited in init_process_group for rank 1's address until
+    # the group's timeout; rank 1 was stuck before it and stopped by torchrun (as its files show)
+    views = {0: doctor.RankView(0), 1: doctor.RankView(1)}
+    views[0].apply(_init_record(0))
+    error = "DistStoreError: wait timeout after 90000ms, keys: /default_pg/0//cpu//0/1"
+    views[0].apply({"ev": "end", "id": 1, "t": 91.0, "ok": False, "error": error})
+    views[0].apply({"ev": "exit", "t": 91.0, "status": "raised", "error": error, "where": "train.py:4",
+                    "file": "train.py", "line": 4})
+    views[0].ended, views[0].exit_code = True, 1
+    views[1].stack_text = 'Stack (most recent call first):\n  File "/job/train.py", line 3 in <module>\n'
+    found = doctor.diagnose(views, 2, "failure", 0.4)  # rank 1: no result, its stack from SIGTERM
+    assert (found.verdict, found.kind, found.ranks) == ("hang", "rank-missing", [1]), found.summary
+    assert found.summary.startswith("Rank 1 never reached the init_process_group that rank 0 entered at "
+                                    "train.py:4"), found.summary
+    assert found.evidence.histories == {0: {}, 1: {}}  # the group's setup is no collective to compare
 
 
 def test_a_connection_error_after_cpp_collectives_is_an_echo_though_the_final_dump_is_missing():

@@ -87,6 +87,23 @@ def test_a_hang_on_the_second_node_is_named_and_every_rank_ends_with_exit_3(scri
     leftovers.check()
 
 
+def test_a_rank_that_never_reaches_init_process_group_is_named_while_the_others_wait_in_it(script, tmp_path,
+                                                                                          leftovers):
+    # gloo's init_process_group waits for every rank (30 minutes unless set): before the group exists
+    # the doctor coordinates through the job's store all the same
+    outcome = _run(script, tmp_path, "before-init")
+    data = _json(outcome)
+    assert (data["verdict"], data["kind"], data["ranks"]) == ("hang", "rank-missing", [3]), data
+    assert STALL_S <= data["detected_after_s"] <= STALL_S + 3
+    places = {r["rank"]: (r["state"], r["op"], r["location"]) for r in data["per_rank"]}
+    assert places[3] == ("outside-collective", None, _line("before-init"))
+    assert all(places[rank] == ("in-collective", "init_process_group", _line("init")) for rank in (0, 1, 2))
+    assert f"never reached the init_process_group that ranks 0, 1 and 2 entered at {_line('init')}" \
+        in data["summary"], data["summary"]
+    assert outcome.rank_codes == {0: 3, 1: 3, 2: 3, 3: 3}, outcome.outputs[0][-2000:]
+    leftovers.check()
+
+
 def test_a_rank_whose_dataloader_worker_is_stuck_names_the_workers_line(script, tmp_path, leftovers):
     # the rank's own watchdog reads its DataLoader worker with py-spy as it answers the leader
     outcome = _run(script, tmp_path, "loader")

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 from conftest import marker_line
 
-from helpers import doctor, scenarios, sites, trace
+from helpers import doctor, procs, scenarios, sites, trace
 from helpers.launch import RankExited, Run, launch, launch_command
 from helpers.sites import is_user_code
 
@@ -405,6 +405,32 @@ def test_run_script_runs_the_script_as_main(tmp_path, leftovers):
         doctor.launch_command([str(script), "x"], num_processes=1, timeout_s=120)
     assert info.value.exit_code == 3
     assert sys.executable
+    leftovers.check()
+
+
+def test_init_process_group_is_recorded_as_the_call_before_the_first_collective(tmp_path, leftovers):
+    # what torchrun runs in each rank (-m helpers.trace), as one rank: the folder is made if missing
+    import subprocess
+
+    script = tmp_path / "one_rank.py"
+    script.write_text("import torch, torch.distributed as dist\n"
+                      "dist.init_process_group('gloo')\n"
+                      "dist.all_reduce(torch.ones(2))\n"
+                      "dist.destroy_process_group()\n")
+    env = {**os.environ, "RANK": "0", "WORLD_SIZE": "1", "MASTER_ADDR": "127.0.0.1",
+           "MASTER_PORT": str(procs.free_port()), "HELPERS_TRACE_DIR": str(tmp_path / "not" / "yet")}
+    done = subprocess.run([sys.executable, "-m", "helpers.trace", str(script)], env=env, capture_output=True,
+                          text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    lines = (tmp_path / "not" / "yet" / "trace-0.jsonl").read_text().splitlines()
+    ops = [json.loads(line) for line in lines if '"ev":"op"' in line]
+    assert [(op["op"], op["seq"], op["where"]) for op in ops] == [
+        ("init_process_group", 0, "one_rank.py:2"), ("all_reduce", 1, "one_rank.py:3")]
+    assert json.loads(lines[2]) == {"ev": "end", "id": 1, "t": json.loads(lines[2])["t"], "ok": True}
+    del env["HELPERS_TRACE_DIR"]
+    done = subprocess.run([sys.executable, "-m", "helpers.trace", str(script)], env=env, capture_output=True,
+                          text=True, timeout=120)
+    assert done.returncode == 1 and "set HELPERS_TRACE_DIR to the folder" in done.stderr, done.stderr
     leftovers.check()
 
 

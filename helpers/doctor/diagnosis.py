@@ -17,7 +17,7 @@ from dataclasses import dataclass, field, fields, replace
 from typing import Any
 
 from helpers import report
-from helpers.collectives import ALL_JOIN, SPLIT_OPS, canonical_op
+from helpers.collectives import ALL_JOIN, INIT_OP, SPLIT_OPS, canonical_op
 from helpers.doctor import wording
 from helpers.doctor.records import Evidence, Op, Position, RankView, fr_op
 from helpers.doctor.source import faulthandler_stack, rank_conditional, source_line
@@ -192,7 +192,12 @@ def _report(pos: Position) -> RankReport:
 
 def python_history(view: RankView) -> dict[tuple[str, int], Op]:
     """The rank's Python-level collectives by (process group, torch's sequence number)."""
-    return {(op.pg, op.seq): op for op in view.python_ops() if not op.p2p and op.seq is not None}
+    return {(op.pg, op.seq): op for op in _collectives(view) if op.seq is not None}
+
+
+def _collectives(view: RankView) -> list[Op]:
+    """The rank's Python-level collectives, oldest first: neither p2p ops nor the group's setup."""
+    return [op for op in view.python_ops() if not op.p2p and op.op != INIT_OP]
 
 
 def history(view: RankView) -> dict[tuple[str, int], Op]:
@@ -201,7 +206,7 @@ def history(view: RankView) -> dict[tuple[str, int], Op]:
     From the Flight Recorder when the rank's state dump has it (it sees C++ collectives too),
     else from the Python-level records. The two number sequences agree unless p2p ops were used.
     """
-    python = [op for op in view.python_ops() if not op.p2p]
+    python = _collectives(view)
     fr = (view.state or {}).get("fr") or []
     if not fr:
         return python_history(view)
@@ -265,6 +270,8 @@ def position(view: RankView) -> Position:
     pos.state, pos.exit_code, pos.abnormal = "exited", view.exit_code, True
     error = exit_record.get("error")
     failed = _failed_op(view) or _failed_inside(view, error)
+    if failed is not None and failed.op == INIT_OP and not _INIT_WAITED.search(failed.error or ""):
+        failed = None  # its own setup failed (a peer's address refused): its own error, not an echo
     if exit_record.get("status") == "stopped":  # its launcher stopped it: an echo, not a cause,
         pos.victim = not exit_record.get("orphaned")  # unless its launcher died (a lost node)
         pos.detail = f"stopped: {exit_record.get('by') or describe_exit(view.exit_code)}"
@@ -298,6 +305,9 @@ _COMM_ERROR = re.compile(r"gloo|nccl|Connection (reset|closed|refused)|DistBacke
                          r"Timed out waiting|timed out|Socket Timeout|Broken pipe|(Read|Write) error|"
                          r"monitoredBarrier",  # 'Rank 2 failed to pass monitoredBarrier in 2000 ms'
                          re.IGNORECASE)
+# init_process_group's error when the other ranks never came: gloo waits for each rank's address in
+# the store ('DistStoreError: wait timeout after 90000ms, keys: /default_pg/0//cpu//0/1'), torch 2.13
+_INIT_WAITED = re.compile(r"DistStoreError|wait timeout|Timed out waiting|Socket Timeout", re.IGNORECASE)
 # ...unless it says the rank's own arguments were wrong ('ProcessGroupGloo::allgather: invalid output
 # tensor list at index 0 (expected length 2, got 3)'): the backend names itself in those too
 _ARGUMENT_ERROR = re.compile(r"invalid|expected|must (be|have|match)|does ?n[o']?t match|mismatch|"
@@ -325,7 +335,7 @@ def _failed_inside(view: RankView, error: str | None) -> Op | None:
     entries = [e for e in (view.state or {}).get("fr") or [] if not e.get("is_p2p")]
     pending = [e for e in entries if not e.get("retired")]
     posted = _posted_p2p(view)  # in the wait() of one, mostly
-    if not entries and not posted and not view.python_ops() and not view.last_seq():
+    if not entries and not posted and not _collectives(view) and not view.last_seq():
         return None  # before any collective: init_process_group's own connections, its own error
     if pending or not posted:
         pending = pending or entries[-1:]

@@ -42,8 +42,8 @@ from pathlib import Path
 from typing import Any
 
 from helpers import rundir
-from helpers.collectives import ASYNC_OPS, MULTI_OPS, OBJECT_LISTS, OPS, P2P_OPS, ROOTS, SPLIT_OPS
-from helpers.trace.callsites import site_json, user_files, user_frame  # noqa: F401 - the last two: _TRACED_SOURCE's
+from helpers.collectives import ASYNC_OPS, INIT_OP, MULTI_OPS, OBJECT_LISTS, OPS, P2P_OPS, ROOTS, SPLIT_OPS
+from helpers.trace.callsites import site_json, user_files, user_frame  # noqa: F401 - user_files: _TRACED_SOURCE's
 
 FLUSH_S = 0.2  # the helper thread writes the queued records this often. Each wake-up costs it about
 #               0.2 ms of CPU on a 2-core VM, whatever it writes: at 0.05 that was 6.6 us per traced
@@ -251,17 +251,22 @@ class Tracer:
 
     def patch(self) -> None:
         """Wrap the operations in ``torch.distributed`` and ``distributed_c10d`` (internal calls too;
-        those one of them makes, all_gather_object's all_gather, are part of its record)."""
+        those one of them makes, all_gather_object's all_gather, are part of its record), and
+        ``init_process_group`` (``_wrap_init``)."""
         import torch.distributed as dist
         import torch.distributed.distributed_c10d as c10d
 
         originals = {name: getattr(c10d, name, None) or getattr(dist, name, None) for name in OPS}
         bodies = [inspect.unwrap(fn) for fn in originals.values() if fn is not None]
         _inner_codes.update(id(body.__code__) for body in bodies if hasattr(body, "__code__"))
+        originals[INIT_OP] = getattr(c10d, INIT_OP, None)
         for name, original in originals.items():
             if original is None or getattr(original, "_helpers_traced", False):
                 continue
-            wrapped = _wrap(name, original, _Plan(name, original))
+            if name == INIT_OP:
+                wrapped = _wrap_init(original)
+            else:
+                wrapped = _wrap(name, original, _Plan(name, original))
             for module in (dist, c10d):
                 if getattr(module, name, None) is original:
                     self.originals[(module, name)] = original
@@ -272,6 +277,37 @@ class Tracer:
         for (module, name), original in self.originals.items():
             setattr(module, name, original)
         self.originals.clear()
+
+
+def _wrap_init(original: Callable) -> Callable:
+    """``init_process_group`` traced: recorded as the call before the group's first collective
+    (sequence number 0), on file before it runs and its end as it returns. Ranks wait in it for each
+    other (gloo connects every pair of ranks there, with the group's timeout: 30 minutes unless
+    set), so a rank that never reaches it, stuck in its data or a download, leaves the others waiting
+    there as in a collective, and the doctor names it ("rank-missing"). ``helpers.launch`` sets up
+    its ranks' group with the original (``__wrapped__``): no user waits there."""
+
+    @functools.wraps(original)
+    def traced_init(*args: Any, **kwargs: Any) -> Any:
+        tracer = current
+        if tracer is None:
+            return original(*args, **kwargs)
+        op_id = next(tracer.ids)
+        frame = user_frame(sys._getframe(1))
+        site = site_json(frame.f_code, frame.f_lasti) if frame is not None else ""
+        tracer._drain_locked([f'{{"ev":"op","id":{op_id},"op":"{INIT_OP}","pg":"0","seq":0{site},'
+                              f'"t":{_SECONDS % time.time()}}}\n'], True)
+        try:
+            result = original(*args, **kwargs)
+        except BaseException as exc:
+            tracer.write({"ev": "end", "id": op_id, "t": time.time(), "ok": False,
+                          "error": f"{type(exc).__name__}: {exc}"[:800]})
+            raise
+        tracer.write({"ev": "end", "id": op_id, "t": time.time(), "ok": True})
+        return result
+
+    traced_init._helpers_traced = True  # type: ignore[attr-defined]
+    return traced_init
 
 
 def _write_all(fd: int, data: bytes) -> None:
