@@ -1077,3 +1077,15 @@ def test_a_torchrun_run_past_its_deadline_leaves_no_worker(tmp_path, monkeypatch
     assert diagnosis.per_rank[1].location == f"{script.name}:{sleep_line}", diagnosis.text()
     leftovers.check()
 
+
+
+def test_a_faulthandler_dump_gives_the_main_threads_frames_and_one_cut_off_gives_none(tmp_path):
+    import faulthandler
+
+    with open(tmp_path / "stack.txt", "w+") as handle:
+        faulthandler.dump_traceback(handle, all_threads=False)  # line: dumped
+        handle.seek(0)
+        text = handle.read()
+    frames = source.faulthandler_stack(text)
+    assert frames[-1]["where"] == f"{HERE}:{_line('dumped')}", frames[-3:]
+    assert source.faulthandler_stack(text[text.index("\n") + 1:]) == []  # its header lost: not a dump
