@@ -985,6 +985,7 @@ def test_a_rank_that_never_reached_init_process_group_is_named_after_the_others_
     assert found.summary.startswith("Rank 1 never reached the init_process_group that rank 0 entered at "
                                     "train.py:4"), found.summary
     assert found.evidence.histories == {0: {}, 1: {}}  # the group's setup is no collective to compare
+    assert found.fix.startswith(wording.INIT_CURE) and "main_process_first" in found.fix
 
 
 def test_a_connection_error_after_cpp_collectives_is_an_echo_though_the_final_dump_is_missing():

@@ -100,6 +100,7 @@ def test_a_rank_that_never_reaches_init_process_group_is_named_while_the_others_
     assert all(places[rank] == ("in-collective", "init_process_group", _line("init")) for rank in (0, 1, 2))
     assert f"never reached the init_process_group that ranks 0, 1 and 2 entered at {_line('init')}" \
         in data["summary"], data["summary"]
+    assert data["fix"].startswith("init_process_group waits for every rank of the world"), data["fix"]
     assert outcome.rank_codes == {0: 3, 1: 3, 2: 3, 3: 3}, outcome.outputs[0][-2000:]
     leftovers.check()
 

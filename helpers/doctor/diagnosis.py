@@ -456,7 +456,9 @@ def _classify(positions: dict[int, Position], histories: dict[int, dict], views:
         return "collective-mismatch", ranks, wording.skipped_group_summary(ranks, waiter, positions, members)
     missing = _missing_ranks(positions)
     if missing:
-        return "rank-missing", missing, wording.missing_summary(missing, positions)
+        in_init = any(p.op is not None and p.op.op == INIT_OP for p in positions.values())
+        return ("rank-missing", missing, wording.missing_summary(missing, positions),
+                *([wording.INIT_CURE] if in_init else []))
     if all(p.state == "finished" for p in positions.values()):
         count = max((len(h) for h in histories.values()), default=0)
         return "ok", [], (f"All {len(positions)} ranks finished; their collectives matched "

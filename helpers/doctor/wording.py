@@ -94,6 +94,12 @@ UNEVEN_LOOP_CURE = (
     "DDP's join (torch.distributed.algorithms.Join; accelerator.join_uneven_inputs([model]) for DDP on "
     "GPUs).")
 
+INIT_CURE = (
+    "init_process_group waits for every rank of the world (gloo until the group's timeout, 30 minutes "
+    "unless set), so work only some ranks do before it (a download, preprocessing, a slow import from a "
+    "shared filesystem) holds the others there: do it after the group is set up, on the main process "
+    "inside accelerator.main_process_first() (the others wait in a barrier for it), or on every rank.")
+
 OBJECT_LIST_CURE = (
     "Pass the object-list collective a list of the same length on every rank: the objects on the "
     "source rank, placeholders of the same count elsewhere (object_list = [None] * n).")
