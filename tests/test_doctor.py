@@ -378,6 +378,29 @@ def test_a_subgroup_collective_one_member_skips_is_named_though_every_rank_waits
     leftovers.check()
 
 
+def _groups_in_opposite_orders():
+    import torch
+    import torch.distributed as dist
+
+    first, second = dist.new_group([0, 1]), dist.new_group([0, 1])
+    for group in ([first, second] if dist.get_rank() == 0 else [second, first]):
+        dist.all_reduce(torch.ones(2), group=group)  # line: crossed groups
+
+
+def test_two_groups_of_the_same_ranks_used_in_opposite_orders_name_both_ranks(leftovers):
+    # each rank's first collective is in a group the other has not reached: no rank outside a
+    # collective, no number issued differently, and neither group is the smaller one to blame
+    with pytest.raises(doctor.HangDetected) as info:
+        doctor.launch(_groups_in_opposite_orders, num_processes=2, timeout_s=60, stall_s=1.5)
+    found = info.value.diagnosis
+    assert (found.kind, found.ranks) == ("collective-mismatch", [0, 1]), found.summary
+    site = f"{HERE}:{_line('crossed groups')}"
+    assert (f"rank 0 in the all_reduce of group 1 (ranks 0 and 1) at {site} (its collective #1 there); "
+            f"rank 1 in the all_reduce of group 2 (ranks 0 and 1) at {site}") in found.summary, found.summary
+    assert found.fix.startswith(wording.CROSSED_GROUPS_CURE)
+    leftovers.check()
+
+
 def _uneven_batches(batches_per_rank: list[int]):
     import torch
     import torch.distributed as dist

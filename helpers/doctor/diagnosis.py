@@ -228,7 +228,7 @@ def _adopt(op: Op, owner: Op, recorded_name: str) -> None:
     """Give a Flight Recorder entry the site, name, shapes (and split sizes) of the Python call that
     issued it."""
     op.where, op.file, op.line, op.end, op.error = owner.where, owner.file, owner.line, owner.end, owner.error
-    op.start = owner.start
+    op.start, op.pg_ranks = owner.start, owner.pg_ranks
     if owner.end is not None:
         op.ok = owner.ok
     if not owner.op.endswith(("_object", "_object_list")):  # those issue several inner collectives
@@ -452,7 +452,11 @@ def _classify(positions: dict[int, Position], histories: dict[int, dict], views:
         return "rank-missing", sorted(set(unanswered.values())), wording.p2p_summary(unanswered, positions)
     skipped = _skipped_group_collective(positions, histories)
     if skipped is not None:
-        ranks, waiter, members = skipped
+        ranks, waiter, members, crossed = skipped
+        if crossed:
+            ranks = sorted({waiter.rank, *ranks})
+            return ("collective-mismatch", ranks, wording.crossed_groups_summary(ranks, positions, members),
+                    wording.CROSSED_GROUPS_CURE)
         return "collective-mismatch", ranks, wording.skipped_group_summary(ranks, waiter, positions, members)
     missing = _missing_ranks(positions)
     if missing:
@@ -696,25 +700,46 @@ def _unanswered_p2p(positions: dict[int, Position]) -> dict[int, int]:
 
 def _skipped_group_collective(positions: dict[int, Position], histories: dict[int, dict]):
     """A rank waits in a collective of one group while other members of that group, which have not
-    issued it, wait in a collective of another group that the first has not issued either (its
-    ranks reach a subgroup's collective in a branch some of them skip). The wait is a cycle; it
-    is named by the smallest group's collective, the one a branch leaves out. (those ranks, the
-    waiter's position, each group's ranks as far as their collectives were seen), or None."""
+    issued it, wait in a collective of another group that the first, a member of it too, has not
+    issued either: the wait is a cycle. When the other group is larger, a subgroup's collective sits
+    in a branch some of its ranks skip, and the skippers are named; when the groups are as large,
+    the ranks issue the groups' collectives in different orders ("crossed"), and all are named.
+    A group's members are its ranks as recorded (a subgroup's, ``Op.pg_ranks``), and the ranks seen
+    issuing its collectives. (those ranks, the waiter's position, each group's ranks, crossed) or
+    None."""
     waiting = {rank: pos for rank, pos in positions.items() if pos.state == "in-collective"
                and pos.op is not None and pos.seq is not None and not pos.op.p2p}
     issued: dict[tuple[int, str], int] = {}  # (rank, group) -> the highest number it issued there
     for rank, history in histories.items():
         for group, seq in history:
             issued[(rank, group)] = max(issued.get((rank, group), 0), seq)
-    members = {group: {rank for rank, other in issued if other == group} for _rank, group in issued}
+    members = _group_members(issued, [*waiting.values()], histories)
     for pos in sorted(waiting.values(), key=lambda p: (len(members.get(p.op.pg, ())), p.rank)):
         group = pos.op.pg
+
+        def not_issued(rank: int, group: str, seq: int) -> bool:
+            return rank in members.get(group, ()) and issued.get((rank, group), 0) < seq
+
         ranks = sorted(rank for rank, other in waiting.items() if other.op.pg != group
-                       and rank in members.get(group, ()) and issued[(rank, group)] < pos.seq
-                       and issued.get((pos.rank, other.op.pg), other.seq) < other.seq)  # a cycle
+                       and not_issued(rank, group, pos.seq) and not_issued(pos.rank, other.op.pg, other.seq))
         if ranks:
-            return ranks, pos, {name: sorted(ranks) for name, ranks in members.items()}
+            crossed = all(len(members[waiting[rank].op.pg]) == len(members[group]) for rank in ranks)
+            return ranks, pos, {name: sorted(ranks) for name, ranks in members.items()}, crossed
     return None
+
+
+def _group_members(issued: dict[tuple[int, str], int], waiting: list[Position],
+                   histories: dict[int, dict]) -> dict[str, set[int]]:
+    """Each group's ranks: those recorded with its calls (a subgroup's), and those seen issuing
+    its collectives."""
+    members: dict[str, set[int]] = {}
+    for rank, group in issued:
+        members.setdefault(group, set()).add(rank)
+    recorded = [pos.op for pos in waiting] + [op for history in histories.values() for op in history.values()]
+    for op in recorded:
+        if op.pg_ranks:
+            members.setdefault(op.pg, set()).update(op.pg_ranks)
+    return members
 
 
 def _missing_ranks(positions: dict[int, Position]) -> list[int]:

@@ -46,6 +46,7 @@ class Op:
     peer: int | None = None  # a send's destination or a recv's source (global rank)
     root: int | None = None  # a rooted collective's src or dst (global rank), as Python passed it
     splits: list | None = None  # all_to_all_single's [output rows, output splits, input splits]
+    pg_ranks: list[int] | None = None  # the group's global ranks (a subgroup's; None: the world or unknown)
 
     def signature(self) -> tuple:
         """What must agree across ranks at one sequence number: the op, then shapes and dtypes."""
@@ -54,6 +55,12 @@ class Op:
 
 def _rank_or_none(value: Any) -> int | None:
     return value if isinstance(value, int) and not isinstance(value, bool) else None
+
+
+def _ranks_or_none(value: Any) -> list[int] | None:
+    if not isinstance(value, list) or any(_rank_or_none(each) is None for each in value):
+        return None
+    return value
 
 
 def _splits_or_none(value: Any) -> list | None:
@@ -113,7 +120,8 @@ class RankView:
                 dtypes=event.get("dtypes"), where=event.get("where"), file=event.get("file"),
                 line=event.get("line"), start=event["t"], p2p=bool(event.get("p2p")),
                 async_=bool(event.get("async")), peer=_rank_or_none(event.get("peer")),
-                root=_rank_or_none(event.get("root")), splits=_splits_or_none(event.get("splits")))
+                root=_rank_or_none(event.get("root")), splits=_splits_or_none(event.get("splits")),
+                pg_ranks=_ranks_or_none(event.get("pg_ranks")))
         if len(self.order) == self.order.maxlen:  # forgotten, open or not (an isend never waited for)
             self.ops.pop(self.order[0], None)
             self.open.pop(self.order[0], None)

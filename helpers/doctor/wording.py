@@ -100,6 +100,11 @@ INIT_CURE = (
     "shared filesystem) holds the others there: do it after the group is set up, on the main process "
     "inside accelerator.main_process_first() (the others wait in a barrier for it), or on every rank.")
 
+CROSSED_GROUPS_CURE = (
+    "Issue the collectives of groups that share ranks in one order on every rank (loop over the groups "
+    "in a fixed order, not one that depends on the rank): a rank blocks in each until the group's other "
+    "members join it.")
+
 OBJECT_LIST_CURE = (
     "Pass the object-list collective a list of the same length on every rank: the objects on the "
     "source rank, placeholders of the same count elsewhere (object_list = [None] * n).")
@@ -445,6 +450,20 @@ def skipped_group_summary(skipped: list[int], waiter: Position, positions: dict[
     return (f"{own}: {'; '.join(instead)}, which rank {waiter.rank} cannot reach while it waits. "
             "Each waits for the other: a collective of a subgroup inside a branch that not all of "
             "its ranks take.")
+
+
+def crossed_groups_summary(ranks: list[int], positions: dict[int, Position],
+                           members: dict[str, list[int]]) -> str:
+    """Ranks each waiting in a collective of a group whose other members wait in another group's."""
+    parts = []
+    for rank in ranks:
+        pos = positions[rank]
+        number = "" if pos.seq is None else f" (its collective #{pos.seq} there)"
+        parts.append(f"rank {rank} in the {_op_name(pos.op)} of {group_text(pos.op.pg, members)}"
+                     f"{_at(pos)}{number}")
+    return (f"{ranks_text(ranks)} each wait in a collective of a group whose other members have not "
+            f"issued it and wait in another group's instead: {'; '.join(parts)}. They issue the "
+            "collectives of groups that share ranks in different orders.")
 
 
 def group_text(name: str, members: dict[str, list[int]]) -> str:

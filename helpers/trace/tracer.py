@@ -390,7 +390,7 @@ def _op_texts(plan: _Plan, group: Any, blocking: bool, tensors: Any, peer: Any, 
         key, cached = None, None
     if cached is not None and cached[0] is code and cached[1] is group:
         return cached[2], cached[3]
-    head = f'"op":"{plan.name}","pg":"{_group_name(group)}"'
+    head = f'"op":"{plan.name}","pg":"{_group_name(group)}"{_group_ranks_json(group)}'
     tail = plan.fields(blocking, tensors, peer) + (site_json(code, offset) if code is not None else "")
     if key is not None:
         if len(_texts) >= _TEXTS_KEPT:
@@ -816,6 +816,27 @@ def _dtype_json(dtype: Any) -> str:
 
 
 _group_names: dict[int, str] = {}
+_group_ranks: dict[int, tuple[Any, str]] = {}  # id(group) -> (group, its text), as ``_texts``
+
+
+def _group_ranks_json(group: Any) -> str:
+    """``,"pg_ranks":[2,3]``, a subgroup's global ranks ("" for the default group, or when torch
+    cannot say): the doctor knows a group's members before each has issued a collective there."""
+    if group is None:
+        return ""
+    cached = _group_ranks.get(id(group))
+    if cached is not None and cached[0] is group:
+        return cached[1]
+    try:
+        import torch.distributed as dist
+
+        ranks = [int(rank) for rank in dist.get_process_group_ranks(group)]
+        world = group is dist.group.WORLD
+        text = "" if world else f',"pg_ranks":{json.dumps(ranks, separators=(",", ":"))}'
+    except Exception:  # noqa: BLE001 - not a group torch knows: its own error comes with the call
+        text = ""
+    _group_ranks[id(group)] = (group, text)
+    return text
 
 
 def _group_name(group: Any) -> str:
