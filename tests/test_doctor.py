@@ -523,6 +523,35 @@ def test_an_object_list_broadcast_with_lists_of_other_lengths_names_the_ranks_un
     leftovers.check()
 
 
+def _a_thread_issues_a_collective_on_one_rank():
+    import threading
+
+    import torch
+    import torch.distributed as dist
+
+    if dist.get_rank() == 0:
+        dist.all_reduce(torch.ones(4))  # line: main thread
+        return
+    thread = threading.Thread(target=lambda: dist.all_reduce(torch.ones(8)))  # line: metrics thread
+    thread.start()
+    thread.join()
+
+
+def test_one_number_taken_by_calls_from_different_lines_is_a_collective_mismatch_naming_each_line(leftovers):
+    # a metrics thread's all_reduce took rank 1's first number: gloo aborts on the sizes, and the
+    # fix is not the shapes' (padding) but the order of the calls
+    found = doctor.run_function(_a_thread_issues_a_collective_on_one_rank, num_processes=2, stall_s=5.0,
+                                timeout_s=60)
+    assert found.kind == "collective-mismatch", found.text()
+    main, thread = f"{HERE}:{_line('main thread')}", f"{HERE}:{_line('metrics thread')}"
+    assert found.summary.startswith(
+        f"Ranks called all_reduce as collective #1 from different lines, with different shapes or dtypes: "
+        f"rank 0 [4] float32 at {main}; rank 1 [8] float32 at {thread}. On some ranks another call"), \
+        found.summary
+    assert "pad_across_processes" not in found.fix
+    leftovers.check()
+
+
 def _monitored_barrier_rank_two_misses():
     import datetime
 

@@ -532,6 +532,8 @@ def _divergence_kind(divergence, positions, histories):
     if len(ops) == 1 and len({sig[:2] for sig in groups}) == 1:  # the same call but for its root
         return "collective-mismatch", culprits, wording.root_summary(key, present, culprits)
     kind = "collective-mismatch" if len(ops) > 1 else "shape-mismatch"
+    if kind == "shape-mismatch" and len({op.where for op in present.values() if op.where}) > 1:
+        return "collective-mismatch", culprits, wording.different_lines_summary(key, present)
     summary = wording.divergence_summary(kind, key, present, culprits, positions)
     if kind == "collective-mismatch" and wording.LOOP_RAN_OUT in summary:  # a loop ran out first
         return kind, culprits, summary, wording.UNEVEN_LOOP_CURE

@@ -268,6 +268,18 @@ def _rows(count: int) -> str:
     return f"{count} row" if count == 1 else f"{count} rows"
 
 
+def different_lines_summary(key: tuple[str, int], present: dict[int, Op]) -> str:
+    """The ranks issued one op, with different shapes, as one numbered collective from different
+    lines: not one call given other sizes, but different calls that took the same number."""
+    op = next(iter(present.values()))
+    parts = [f"rank {r} {shapes_text(o.shapes) or 'unknown shape'} {','.join(o.dtypes or [])}".strip()
+             + (f" at {o.where}" if o.where else "") for r, o in sorted(present.items())]
+    return (f"Ranks called {_op_name(op)} as collective #{key[1]} from different lines, with different "
+            "shapes or dtypes: " + "; ".join(parts) + ". On some ranks another call took this number: "
+            "the ranks took different paths, or a thread of their own issues collectives on the same "
+            "group, in a different order on each rank.")
+
+
 def divergence_summary(kind: str, key: tuple[str, int], present: dict[int, Op], culprits: list[int],
                        positions: dict[int, Position]) -> str:
     """The ranks disagree at (group, sequence number) ``key``: what each issued, who differs."""
