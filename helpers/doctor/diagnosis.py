@@ -716,12 +716,12 @@ def _skipped_group_collective(positions: dict[int, Position], histories: dict[in
         for group, seq in history:
             issued[(rank, group)] = max(issued.get((rank, group), 0), seq)
     members = _group_members(issued, [*waiting.values()], histories)
+
+    def not_issued(rank: int, group: str, seq: int) -> bool:  # a member that has not issued it yet
+        return rank in members.get(group, ()) and issued.get((rank, group), 0) < seq
+
     for pos in sorted(waiting.values(), key=lambda p: (len(members.get(p.op.pg, ())), p.rank)):
         group = pos.op.pg
-
-        def not_issued(rank: int, group: str, seq: int) -> bool:
-            return rank in members.get(group, ()) and issued.get((rank, group), 0) < seq
-
         ranks = sorted(rank for rank, other in waiting.items() if other.op.pg != group
                        and not_issued(rank, group, pos.seq) and not_issued(pos.rank, other.op.pg, other.seq))
         if ranks:

@@ -6,6 +6,7 @@
   ones and the deprecated aliases; the outermost call is recorded once) so that each call appends
   to ``trace-<rank>.jsonl``: the op, the process group and torch's sequence number in it, the input
   shapes and dtypes, the user's call site, start and end times, and whether it completed or raised;
+  ``init_process_group`` too, as the call before the group's first collective (ranks wait there);
 - turns on torch's Flight Recorder (``TORCH_FR_BUFFER_SIZE``), which also records collectives
   issued from C++ (DDP's broadcasts in ``forward()`` and its gradient all-reduce in ``backward()``,
   which never pass through Python), and starts a helper thread that
