@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import ctypes
 import os
+import random
 import signal
 import socket
 import subprocess
@@ -197,8 +198,31 @@ def python_env(extra: dict[str, str] | None = None) -> dict[str, str]:
     return {**os.environ, "PYTHONPATH": path, **(extra or {})}
 
 
+PORT_FLOOR = 20000  # free_port's ports lie between this and the kernel's ephemeral range
+
+
 def free_port() -> int:
-    """A TCP port free on loopback now (so two notebooks never collide on 29500)."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+    """A TCP port free on loopback now (so two notebooks never collide on 29500), below the kernel's
+    ephemeral range: the kernel gives ports of that range to every outgoing connection (a gloo
+    pair's, a store client's), and one of another job took such a port between this check and
+    torchrun's bind (EADDRINUSE, once in a test run of parallel jobs)."""
+    low = _ephemeral_low()
+    for _ in range(64):
+        port = random.randrange(PORT_FLOOR, low) if low > PORT_FLOOR else 0
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+            try:
+                sock.bind(("127.0.0.1", port))
+            except OSError:  # taken, or still in TIME_WAIT: another
+                continue
+            return sock.getsockname()[1]
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:  # none free below the range
         sock.bind(("127.0.0.1", 0))
         return sock.getsockname()[1]
+
+
+def _ephemeral_low() -> int:
+    """The lowest port of the kernel's ephemeral range (Linux's default 32768 where unreadable)."""
+    try:
+        return int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32768

@@ -167,6 +167,15 @@ def test_busy_default_port_does_not_collide(leftovers):
     leftovers.check()
 
 
+def test_free_ports_lie_below_the_kernels_ephemeral_range_and_can_be_bound():
+    # outgoing connections take ports of that range: one took a job's port between check and bind
+    low = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    ports = [procs.free_port() for _ in range(50)]
+    assert all(procs.PORT_FLOOR <= port < low for port in ports), ports
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", ports[-1]))
+
+
 def _flag_handler_and_dump():
     os.kill(os.getpid(), launch_module.STACK_SIGNAL)  # must neither kill us nor lose the handler
     return Path(os.environ["FLAG_FILE"]).read_text()
