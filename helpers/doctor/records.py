@@ -139,6 +139,16 @@ class RankView:
         op.end, op.ok, op.error = event["t"], event.get("ok"), event.get("error")
         if op.ok:
             self.last_done_t = max(self.last_done_t or 0.0, event["t"])
+            self._completed(op)
+
+    def _completed(self, op: Op) -> None:
+        """A collective's end says its number completed: a progress note taken while it ran (the
+        last, when the script then destroys the group) must not show the rank waiting in it."""
+        entry = self.progress.get(op.pg)
+        if op.p2p or self.used_p2p or not op.seq or entry is None:
+            return
+        if entry[1] < op.seq <= entry[0]:
+            self.progress = {**self.progress, op.pg: [entry[0], op.seq]}
 
     def _progress(self, progress: dict[str, list[int]], t: float) -> None:
         if self.group_up_t is None:
@@ -159,8 +169,8 @@ class RankView:
             return
         for op_id, op in list(self.open.items()):
             done = self.progress.get(op.pg)
-            if op.seq is not None and done is not None and done[1] >= op.seq:
-                self.close_passed(op_id, t)
+            if op.seq and done is not None and done[1] >= op.seq:  # not init_process_group's 0: the
+                self.close_passed(op_id, t)  # group may show progress while it still waits there
 
     def close_passed(self, op_id: int, t: float) -> None:
         """Close an open call known to have completed (by ``t`` at the latest) though its end is
@@ -248,7 +258,7 @@ class Position:
     exit_code: int | None = None
     abnormal: bool = False  # ended by a signal, a non-zero exit or an exception
     victim: bool = False  # raised inside a collective (a consequence, not a cause)
-    timed_out: bool = False  # its collective hit torch's process-group timeout
+    timed_out: bool = False  # its wait was ended from outside: torch's timeout, or a signal as it waited
 
 
 @dataclass
