@@ -81,9 +81,9 @@ SHAPE_CHECKED = frozenset({"all_reduce", "broadcast", "reduce", "all_gather", "a
 # dtype "object". torch sends a tensor of the objects' byte sizes, one per item, so the ranks' lists
 # must be as long (gloo aborts the process on a broadcast of sizes that differ).
 OBJECT_LISTS = frozenset({"broadcast_object_list", "send_object_list", "recv_object_list"})
-# the process group's setup, recorded as the call before a group's first collective (its
-# sequence number 0): ranks wait in it for each other (gloo connects every pair of ranks there), so a
-# rank that never reaches it leaves the others waiting as in a collective
+# the default group's setup, recorded as the call before its first collective (sequence number 0):
+# ranks wait in it for each other (gloo connects every pair of ranks there), so a rank that never
+# reaches it leaves the others waiting as in a collective
 INIT_OP = "init_process_group"
 # collectives that end on no rank before every rank of the group has joined them (each rank's
 # output needs every rank's input): one rank's completed call says every rank issued it

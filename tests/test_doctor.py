@@ -401,6 +401,32 @@ def test_two_groups_of_the_same_ranks_used_in_opposite_orders_name_both_ranks(le
     leftovers.check()
 
 
+def _side_group_in_a_branch(rank: int, calls: list) -> None:  # the lines the views below cite
+    calls.append("world")  # line: world first
+    if rank == 0:
+        calls.append("side")  # line: side group in a branch
+    calls.append("world")  # line: world next
+
+
+def test_a_side_group_of_every_rank_used_in_a_branch_names_the_rank_that_skipped_it_not_both():
+    # new_group([0, 1]) in a world of 2 (a gloo group for objects): as large as the world, but the
+    # wait is inside an if on the rank: a branch, not an order
+    def record(view, op_id, pg, seq, marker, ended, **extra):
+        line = _line(marker)
+        view.apply({"ev": "op", "id": op_id, "op": "all_reduce", "pg": pg, "seq": seq, "shapes": [[2]],
+                    "dtypes": ["float32"], "t": float(op_id), "file": __file__, "line": line,
+                    "where": f"{HERE}:{line}", **extra, **({"te": op_id + 0.5, "ok": True} if ended else {})})
+
+    views = {0: doctor.RankView(0), 1: doctor.RankView(1)}
+    for view in views.values():
+        record(view, 1, "0", 1, "world first", True)
+    record(views[0], 2, "1", 1, "side group in a branch", False, pg_ranks=[0, 1])
+    record(views[1], 2, "0", 2, "world next", False)
+    found = doctor.diagnose(views, 2, "stall", 1.0)
+    assert (found.kind, found.ranks) == ("collective-mismatch", [1]), found.summary
+    assert "a collective of a subgroup inside a branch" in found.summary, found.summary
+
+
 def _uneven_batches(batches_per_rank: list[int]):
     import torch
     import torch.distributed as dist
@@ -550,6 +576,34 @@ def test_one_number_taken_by_calls_from_different_lines_is_a_collective_mismatch
         found.summary
     assert "pad_across_processes" not in found.fix
     leftovers.check()
+
+
+def _sized_by_rank(rank: int) -> str:  # the lines the views below say their calls came from
+    if rank == 0:
+        return "all_reduce of 4"  # line: branch of rank 0
+    return "all_reduce of 8"  # line: branch of others
+
+
+def _a_thread_of_its_own() -> str:
+    return "all_reduce of 8"  # line: another function
+
+
+@pytest.mark.parametrize("op, other_line, kind", [
+    ("all_reduce", "branch of others", "shape-mismatch"),  # one function's if/else: sized by rank
+    ("broadcast_object_list", "branch of others", "shape-mismatch"),
+    ("all_reduce", "another function", "collective-mismatch"),  # another call took the number
+])
+def test_one_number_from_two_lines_is_a_shape_mismatch_only_within_one_function(op, other_line, kind):
+    views = {}
+    for rank, (marker, size) in enumerate([("branch of rank 0", 4), (other_line, 8)]):
+        views[rank] = view = doctor.RankView(rank)
+        view.apply({"ev": "op", "id": 1, "op": op, "pg": "0", "seq": 1, "shapes": [[size]],
+                    "dtypes": ["object" if "object" in op else "float32"], "t": 1.0, "file": __file__,
+                    "line": _line(marker), "where": f"{HERE}:{_line(marker)}"})
+    found = doctor.diagnose(views, 2, "stall", 1.0)
+    assert found.kind == kind, found.summary
+    if op == "broadcast_object_list":
+        assert found.fix.startswith(wording.OBJECT_LIST_CURE)
 
 
 def _monitored_barrier_rank_two_misses():
@@ -1021,12 +1075,19 @@ def _init_record(rank: int) -> dict:
             "file": "train.py", "line": 4, "where": "train.py:4"}
 
 
-def test_a_rank_that_never_reached_init_process_group_is_named_after_the_others_timed_out_in_it():
+STORE_TIMEOUT = "DistStoreError: wait timeout after 90000ms, keys: /default_pg/0//cpu//0/1"
+
+
+@pytest.mark.parametrize("error", [STORE_TIMEOUT, "SignalException: Process 7 got signal: 15"],
+                         ids=["timeout", "signal"])
+def test_a_rank_that_never_reached_init_process_group_is_named_after_the_others_timed_out_in_it(error):
     # plain torchrun, post-mortem: rank 0 waited in init_process_group for rank 1's address until
-    # the group's timeout; rank 1 was stuck before it and stopped by torchrun (as its files show)
+    # the group's timeout (or until Slurm's scancel); rank 1 was stuck before it and stopped by
+    # torchrun (as its files show)
     views = {0: doctor.RankView(0), 1: doctor.RankView(1)}
     views[0].apply(_init_record(0))
-    error = "DistStoreError: wait timeout after 90000ms, keys: /default_pg/0//cpu//0/1"
+    views[0].apply({"ev": "pg", "t": 2.0, "pg": {"0": [0, 0]}})  # registered, still in it (an init barrier)
+    assert views[0].open, "a group's progress does not end init_process_group"
     views[0].apply({"ev": "end", "id": 1, "t": 91.0, "ok": False, "error": error})
     views[0].apply({"ev": "exit", "t": 91.0, "status": "raised", "error": error, "where": "train.py:4",
                     "file": "train.py", "line": 4})
@@ -1038,6 +1099,27 @@ def test_a_rank_that_never_reached_init_process_group_is_named_after_the_others_
                                     "train.py:4"), found.summary
     assert found.evidence.histories == {0: {}, 1: {}}  # the group's setup is no collective to compare
     assert found.fix.startswith(wording.INIT_CURE) and "main_process_first" in found.fix
+
+
+def test_a_rank_that_ends_cleanly_before_init_process_group_is_named_while_the_others_wait_in_it():
+    views = {0: doctor.RankView(0), 1: doctor.RankView(1)}
+    views[0].apply(_init_record(0))
+    views[1].apply({"ev": "exit", "t": 2.0, "status": "finished", "where": "train.py:2"})
+    views[1].ended, views[1].exit_code = True, 0
+    found = doctor.diagnose(views, 2, "exited", 0.0)
+    assert (found.kind, found.ranks) == ("rank-exited", [1]), found.summary
+    assert "rank 0 in init_process_group at train.py:4" in found.summary, found.summary
+
+
+def test_a_progress_note_taken_during_a_collective_is_superseded_by_its_end():
+    # CI: the helper noted [6 enqueued, 5 done] inside the last barrier; the script then destroyed
+    # the group (no later note) and polled a file: it showed as waiting in #6 and was called a hang
+    view = doctor.RankView(0)
+    view.apply({"ev": "op", "id": 6, "op": "barrier", "pg": "0", "seq": 6, "t": 1.0})
+    view.apply({"ev": "pg", "t": 1.1, "pg": {"0": [6, 5]}})
+    assert view.pending_seq() == 6
+    view.apply({"ev": "end", "id": 6, "t": 1.2, "ok": True})
+    assert (view.waiting_since(), view.pending_seq(), view.last_seq()) == (None, None, 6)
 
 
 def test_a_connection_error_after_cpp_collectives_is_an_echo_though_the_final_dump_is_missing():

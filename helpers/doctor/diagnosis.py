@@ -17,10 +17,10 @@ from dataclasses import dataclass, field, fields, replace
 from typing import Any
 
 from helpers import report
-from helpers.collectives import ALL_JOIN, INIT_OP, SPLIT_OPS, canonical_op
+from helpers.collectives import ALL_JOIN, INIT_OP, OBJECT_LISTS, ROOTS, SPLIT_OPS, canonical_op
 from helpers.doctor import wording
 from helpers.doctor.records import Evidence, Op, Position, RankView, fr_op
-from helpers.doctor.source import faulthandler_stack, rank_conditional, source_line
+from helpers.doctor.source import enclosing_function, faulthandler_stack, rank_conditional, source_line
 from helpers.rundir import describe_exit
 
 EXIT_CODES = {"ok": 0, "hang": 3, "crash": 4, "mismatch": 5}
@@ -282,7 +282,7 @@ def position(view: RankView) -> Position:
         pos.op, pos.victim = failed, True
         pos.where, pos.file, pos.line = failed.where, failed.file, failed.line
         pos.seq = failed.seq if pos.seq is None else pos.seq
-        pos.timed_out = bool(re.search(r"timed out|timeout", failed.error or "", re.IGNORECASE))
+        pos.timed_out = bool(_ENDED_WAITING.search(failed.error or ""))
         pos.detail = f"raised {wording.short_error(failed.error)}"
     elif error:
         pos.op, pos.seq = None, None
@@ -305,9 +305,15 @@ _COMM_ERROR = re.compile(r"gloo|nccl|Connection (reset|closed|refused)|DistBacke
                          r"Timed out waiting|timed out|Socket Timeout|Broken pipe|(Read|Write) error|"
                          r"monitoredBarrier",  # 'Rank 2 failed to pass monitoredBarrier in 2000 ms'
                          re.IGNORECASE)
-# init_process_group's error when the other ranks never came: gloo waits for each rank's address in
-# the store ('DistStoreError: wait timeout after 90000ms, keys: /default_pg/0//cpu//0/1'), torch 2.13
-_INIT_WAITED = re.compile(r"DistStoreError|wait timeout|Timed out waiting|Socket Timeout", re.IGNORECASE)
+# a wait ended from outside: torch's timeout, or the rank stopped as it waited (a signal torch turned
+# into an exception, Ctrl-C): an echo of what held it, never its own cause
+_ENDED_WAITING = re.compile(r"timed out|timeout|SignalException|got signal|KeyboardInterrupt", re.IGNORECASE)
+# init_process_group's errors while it waited for the other ranks: gloo waits for each rank's address
+# in the store ('DistStoreError: wait timeout after 90000ms, keys: /default_pg/0//cpu//0/1', torch
+# 2.13), or the rank was stopped as it waited (torchrun's SIGTERM: 'SignalException: Process 7 got
+# signal: 15'; Ctrl-C)
+_INIT_WAITED = re.compile(r"DistStoreError|wait timeout|Timed out waiting|Socket Timeout|SignalException|"
+                          r"got signal|KeyboardInterrupt", re.IGNORECASE)
 # ...unless it says the rank's own arguments were wrong ('ProcessGroupGloo::allgather: invalid output
 # tensor list at index 0 (expected length 2, got 3)'): the backend names itself in those too
 _ARGUMENT_ERROR = re.compile(r"invalid|expected|must (be|have|match)|does ?n[o']?t match|mismatch|"
@@ -532,12 +538,27 @@ def _divergence_kind(divergence, positions, histories):
     if len(ops) == 1 and len({sig[:2] for sig in groups}) == 1:  # the same call but for its root
         return "collective-mismatch", culprits, wording.root_summary(key, present, culprits)
     kind = "collective-mismatch" if len(ops) > 1 else "shape-mismatch"
-    if kind == "shape-mismatch" and len({op.where for op in present.values() if op.where}) > 1:
-        return "collective-mismatch", culprits, wording.different_lines_summary(key, present)
+    if kind == "shape-mismatch" and _calls_of_other_functions(present):  # not one call given other sizes
+        kind = "collective-mismatch"
+        summary = wording.divergence_summary(kind, key, present, culprits, positions)
+        if wording.LOOP_RAN_OUT in summary:
+            return kind, culprits, summary, wording.UNEVEN_LOOP_CURE
+        return kind, culprits, wording.different_lines_summary(key, present)
     summary = wording.divergence_summary(kind, key, present, culprits, positions)
     if kind == "collective-mismatch" and wording.LOOP_RAN_OUT in summary:  # a loop ran out first
         return kind, culprits, summary, wording.UNEVEN_LOOP_CURE
     return kind, culprits, summary
+
+
+def _calls_of_other_functions(present: dict[int, Op]) -> bool:
+    """Did the ranks issue one numbered collective from lines in different functions (a thread of
+    their own on some ranks, another path)? Lines of one function (an ``if rank == 0:`` with an
+    ``else:``) are one call site's branches, sized differently; and a rooted or object-list op is
+    most often written once per branch."""
+    if any(canonical_op(op.op) in ROOTS or canonical_op(op.op) in OBJECT_LISTS for op in present.values()):
+        return False
+    sites = {(op.file, op.line) for op in present.values() if op.file and op.line}
+    return len({(file, enclosing_function(file, line)) for file, line in sites}) > 1
 
 
 def split_mismatch(present: dict[int, Op]) -> list[tuple[int, int, int, int]]:
@@ -634,11 +655,13 @@ def _exited_culprits(positions: dict[int, Position]) -> list[int]:
     demand = max((p.seq or 0 for p in positions.values() if p.state == "in-collective" or p.victim),
                  default=0)
     stuck = any(p.state in ("in-collective", "outside-collective") or p.victim for p in positions.values())
+    in_init = any(p.op is not None and p.op.op == INIT_OP and (p.state == "in-collective" or p.victim)
+                  for p in positions.values())  # waiting for every rank, those that never issued one too
     culprits = []
     for pos in positions.values():
         if pos.state == "exited" and not pos.victim:
             culprits.append(pos.rank)
-        elif pos.state == "finished" and stuck and demand > (pos.seq or 0):
+        elif pos.state == "finished" and stuck and (demand > (pos.seq or 0) or (in_init and not pos.seq)):
             culprits.append(pos.rank)
     # A rank killed while waiting in a collective after a peer died outside any (gloo can SIGSEGV
     # or SIGABRT when the peer's sockets close) is that death's echo, not a second cause.
@@ -704,8 +727,9 @@ def _skipped_group_collective(positions: dict[int, Position], histories: dict[in
     """A rank waits in a collective of one group while other members of that group, which have not
     issued it, wait in a collective of another group that the first, a member of it too, has not
     issued either: the wait is a cycle. When the other group is larger, a subgroup's collective sits
-    in a branch some of its ranks skip, and the skippers are named; when the groups are as large,
-    the ranks issue the groups' collectives in different orders ("crossed"), and all are named.
+    in a branch some of its ranks skip (as it is when a wait is inside an ``if`` on the rank), and
+    the skippers are named; else, the groups as large, the ranks issue the groups' collectives in
+    different orders ("crossed"), and the waiter and those ranks are named.
     A group's members are its ranks as recorded (a subgroup's, ``Op.pg_ranks``), and the ranks seen
     issuing its collectives. (those ranks, the waiter's position, each group's ranks, crossed) or
     None."""
@@ -725,7 +749,9 @@ def _skipped_group_collective(positions: dict[int, Position], histories: dict[in
         ranks = sorted(rank for rank, other in waiting.items() if other.op.pg != group
                        and not_issued(rank, group, pos.seq) and not_issued(pos.rank, other.op.pg, other.seq))
         if ranks:
-            crossed = all(len(members[waiting[rank].op.pg]) == len(members[group]) for rank in ranks)
+            crossed = all(len(members[waiting[rank].op.pg]) == len(members[group])
+                          and not rank_conditional(waiting[rank].file, waiting[rank].line) for rank in ranks)
+            crossed = crossed and not rank_conditional(pos.file, pos.line)
             return ranks, pos, {name: sorted(ranks) for name, ranks in members.items()}, crossed
     return None
 

@@ -60,6 +60,15 @@ def _innermost(filename: str | None, line: int | None, kinds: tuple[type, ...]) 
     return max(around, key=lambda node: node.lineno, default=None)
 
 
+def enclosing_function(filename: str | None, line: int | None) -> int | None:
+    """The header line of the innermost function (or lambda) around ``line``: 0 at module level,
+    None when the file cannot be read."""
+    if _tree(filename) is None or line is None:
+        return None
+    scope = _innermost(filename, line, (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda))
+    return scope.lineno if scope is not None else 0
+
+
 def loop_left(filename: str | None, inside: int | None, after: int | None) -> int | None:
     """The header line of the innermost loop around line ``inside`` when line ``after`` lies past
     that loop's end in the same function (None otherwise): a rank at ``after`` has left the loop that

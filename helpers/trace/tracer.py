@@ -835,6 +835,8 @@ def _group_ranks_json(group: Any) -> str:
         text = "" if world else f',"pg_ranks":{json.dumps(ranks, separators=(",", ":"))}'
     except Exception:  # noqa: BLE001 - not a group torch knows: its own error comes with the call
         text = ""
+    if len(_group_ranks) >= _TEXTS_KEPT:  # groups made anew every step must not grow memory
+        _group_ranks.clear()
     _group_ranks[id(group)] = (group, text)
     return text
 
