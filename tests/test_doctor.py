@@ -1122,6 +1122,15 @@ def test_a_progress_note_taken_during_a_collective_is_superseded_by_its_end():
     assert (view.waiting_since(), view.pending_seq(), view.last_seq()) == (None, None, 6)
 
 
+def test_a_rank_with_no_record_at_all_is_said_to_have_ended_unseen():
+    views = {0: doctor.RankView(0)}
+    views[0].apply(_init_record(0))
+    found = doctor.diagnose(views, 2, "stall", 5.0)
+    assert (found.kind, found.ranks) == ("rank-exited", [1]), found.summary
+    assert found.summary.startswith("Rank 1 ended, nothing of it seen (no record, no exit code) while"), \
+        found.summary
+
+
 def test_a_connection_error_after_cpp_collectives_is_an_echo_though_the_final_dump_is_missing():
     # CI, plain torchrun, dead-rank: DDP's all-reduce (C++, no Python record) raised 'Connection
     # closed by peer' on rank 0; torchrun's SIGTERM came after its exit record and before its final

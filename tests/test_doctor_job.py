@@ -105,6 +105,15 @@ def test_a_rank_that_never_reaches_init_process_group_is_named_while_the_others_
     leftovers.check()
 
 
+def test_a_rank_that_ends_cleanly_before_init_process_group_is_named_at_once(script, tmp_path, leftovers):
+    outcome = _run(script, tmp_path, "done-before-init")
+    data = _json(outcome)
+    assert (data["kind"], data["ranks"]) == ("rank-exited", [3]), data
+    assert data["per_rank"][3]["state"] == "finished"
+    assert data["detected_after_s"] < STALL_S  # not a stall: rank 3 will never join
+    leftovers.check()
+
+
 def test_a_rank_whose_dataloader_worker_is_stuck_names_the_workers_line(script, tmp_path, leftovers):
     # the rank's own watchdog reads its DataLoader worker with py-spy as it answers the leader
     outcome = _run(script, tmp_path, "loader")

@@ -244,6 +244,7 @@ class Watchdog(threading.Thread):
         self.stop_code: int | None = None  # the doctor's exit code, once a stop is under way
         self.lock = threading.Lock()
         self.exit_posted = threading.Event()  # a heartbeat carrying this rank's end was posted
+        self.settled = threading.Event()  # joined the job's store, or gave up reaching it
         self.wake_read, self.wake_write = os.pipe()
         os.set_blocking(self.wake_read, False)
         os.set_blocking(self.wake_write, False)
@@ -338,6 +339,7 @@ class Watchdog(threading.Thread):
         if self.tracer is not None:
             self.tracer.on_first = None
         self.decided.set()
+        self.settled.set()
         while True:
             if self.signalled is not None:
                 _leave(self.stop_code or 128 + self.signalled)
@@ -369,6 +371,7 @@ class Watchdog(threading.Thread):
                     raise
                 time.sleep(0.5)
         self.board.join(self.heartbeat())
+        self.settled.set()
         if self.tracer is not None:
             self.tracer.on_first = self._post_first_call
 
@@ -484,8 +487,11 @@ class Watchdog(threading.Thread):
             self.exit, self.exit_mono = record, time.monotonic()
 
     def wait_for_verdict(self) -> None:
-        """After ``ended``: wait (``LINGER_S`` at most) for the verdict when one may come."""
-        if self.board is None and not self.decided.is_set():
+        """After ``ended``: wait (``LINGER_S`` at most) for the verdict when one may come. A script
+        that ended before this rank joined the job's store (before init_process_group, at once)
+        joins it first: its end must reach the leader, or the others wait in init for nobody."""
+        self.settled.wait(CONNECT_S + TICK_S)
+        if self.board is None:
             return  # the store was never reached: nobody to wait for
         self.decided.wait(LINGER_S)
 

@@ -77,7 +77,10 @@ def should_diagnose(beats: dict[int, Seen], world: int, stall_s: float,
         if end.get("status") != "finished":
             continue
         last = beats[rank].beat.get("last") or 0
-        if any((seen.beat.get("pending") or 0) > last for seen in running.values()):
+        pending = [seen.beat.get("pending") for seen in running.values()]
+        # another rank waits in a collective it never issued (0: in init_process_group, which it
+        # never reached either)
+        if any(number is not None and (number > last or number == last == 0) for number in pending):
             return "exited", 0.0
     idle = min((seen.beat["idle"] + seen.age() for seen in running.values()
                 if seen.beat.get("idle") is not None), default=float("inf"))

@@ -401,8 +401,8 @@ def _ended_how(pos: Position, several: bool) -> str:
         return pos.detail + _at(pos)
     if pos.detail.startswith("killed"):
         how = f"{'were' if several else 'was'} {pos.detail}"
-    else:
-        how = f"ended ({pos.detail})"
+    else:  # a rank without any record (it ended before its first reached the doctor): no detail
+        how = f"ended ({pos.detail})" if pos.detail else "ended, nothing of it seen (no record, no exit code)"
     return how + (f" after {'their' if several else 'its'} last collective{_at(pos)}" if pos.where else "")
 
 
