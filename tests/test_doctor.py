@@ -1122,6 +1122,22 @@ def test_a_progress_note_taken_during_a_collective_is_superseded_by_its_end():
     assert (view.waiting_since(), view.pending_seq(), view.last_seq()) == (None, None, 6)
 
 
+def test_the_local_doctor_names_a_rank_stuck_before_init_process_group(tmp_path, leftovers):
+    # python -m helpers doctor -- script.py: the script sets up its own group (as accelerate does)
+    script = tmp_path / "late_init.py"
+    script.write_text("import os, sys, time\n"
+                      "import torch.distributed as dist\n"
+                      "if os.environ['RANK'] == '1':\n"
+                      "    time.sleep(60)  # a download on one rank\n"
+                      "dist.init_process_group('gloo')\n")
+    found = doctor.run_command([str(script)], num_processes=2, stall_s=2.0, timeout_s=60)
+    assert (found.verdict, found.kind, found.ranks) == ("hang", "rank-missing", [1]), found.text()
+    assert [(r.state, r.op, r.location) for r in found.per_rank] == [
+        ("in-collective", "init_process_group", "late_init.py:5"),
+        ("outside-collective", None, "late_init.py:4")]
+    leftovers.check()
+
+
 def test_a_rank_with_no_record_at_all_is_said_to_have_ended_unseen():
     views = {0: doctor.RankView(0)}
     views[0].apply(_init_record(0))
