@@ -289,6 +289,23 @@ def test_ddp_parameters_unused_on_one_rank_are_named_with_the_ddp_fix(leftovers)
     leftovers.check()
 
 
+def _ddp_models_built_differently():
+    import torch
+    import torch.distributed as dist
+    from torch.nn.parallel import DistributedDataParallel
+
+    width = 9 if dist.get_rank() == 1 else 8  # a config read from the rank's own file
+    DistributedDataParallel(torch.nn.Linear(width, 4))  # line: ddp wrap
+
+
+def test_ddp_models_built_differently_name_the_odd_rank_with_the_ddp_fix(leftovers):
+    found = _failed_run(_ddp_models_built_differently)
+    assert (found.kind, found.ranks) == ("rank-exited", [1]), found.summary
+    assert "appears not to match sizes of the same param in process 0" in found.summary, found.summary
+    assert found.fix.startswith("DDP found that the ranks built different models"), found.fix
+    leftovers.check()
+
+
 def test_a_known_error_leads_the_fix_only_for_a_culprit_that_raised_it():
     """torch's own first sentences (2.13); a rank that merely waited keeps the kind's fix alone."""
     from helpers.doctor.records import Position

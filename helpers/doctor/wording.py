@@ -62,6 +62,12 @@ KNOWN_ERRORS = [
      "every rank use every parameter in every step, or pass find_unused_parameters=True to "
      "DistributedDataParallel (with accelerate: Accelerator(kwargs_handlers="
      "[DistributedDataParallelKwargs(find_unused_parameters=True)]), which costs a graph walk per step)."),
+    (re.compile(r"appears not to match (sizes|strides) of the same param in process|"
+                r"DDP expects same model across all ranks"),
+     "DDP found that the ranks built different models (it compares every parameter's shape with rank "
+     "0's as it wraps the model, reducer.cpp's verify_params_across_processes): build the model from "
+     "the same configuration on every rank, read once and shared (e.g. broadcast_object_list from "
+     "rank 0), not from a rank's own files or arguments."),
     (re.compile(re.escape(DATALOADER_WAIT)), DATALOADER_CURE),
     (re.compile(r"DataLoader worker \(pid.*(exited unexpectedly|is killed by signal)|"
                 + re.escape(DATALOADER_READ)),
