@@ -467,7 +467,8 @@ def test_a_rank_whose_loop_ran_out_first_is_said_to_have_left_it(leftovers):
     assert found.summary.endswith(
         f". Rank 1 has left the loop at {HERE}:{_line('batches')} that the others are still in: its loop "
         "ran out first (a DataLoader with fewer batches on that rank, as with accelerate's "
-        "even_batches=False, or a break or a condition that holds on that rank alone)."), found.summary
+        "even_batches=False, a break or a condition that holds on that rank alone, or a collective that "
+        "rank skipped inside it, as DDP's no_sync() does)."), found.summary
     assert "took a different path" not in found.summary  # the loop says it better
     assert found.fix.startswith("Give every rank the same number of iterations: keep accelerate's "
                                 "even_batches=True"), found.fix

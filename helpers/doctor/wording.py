@@ -98,7 +98,8 @@ UNEVEN_LOOP_CURE = (
     "pads with repeated samples, drop_last=True drops the remainder), and decide a break on every rank "
     "together (accelerator.set_trigger() / accelerator.check_trigger()). For inputs uneven on purpose: "
     "DDP's join (torch.distributed.algorithms.Join; accelerator.join_uneven_inputs([model]) for DDP on "
-    "GPUs).")
+    "GPUs). If the iterations match, one rank skips a collective inside the loop: decide model.no_sync() "
+    "(gradient accumulation) on every rank alike.")
 
 INIT_CURE = (
     "init_process_group waits for every rank of the world (gloo until the group's timeout, 30 minutes "
@@ -355,8 +356,9 @@ def _left_loop(sites: dict[int, tuple[str, int] | None], leavers: list[int], sta
     return (f" {ranks_text(leavers)} {'have' if several else 'has'} left the loop at "
             f"{Path(file).name}:{headers.pop()} that {stayers_text.replace('Rank', 'rank')} {stay} still "
             f"in: {'their loops' if several else 'its loop'} {LOOP_RAN_OUT} (a DataLoader with fewer "
-            f"batches on {those}, as with accelerate's even_batches=False, or a break or a condition "
-            f"that holds on {those} alone).")
+            f"batches on {those}, as with accelerate's even_batches=False, a break or a condition "
+            f"that holds on {those} alone, or a collective {those} skipped inside it, as DDP's no_sync() "
+            f"does).")
 
 
 def _site(op: Op, pos: Position | None) -> tuple[str, int] | None:
