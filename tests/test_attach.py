@@ -16,6 +16,7 @@ import psutil
 import pytest
 
 from helpers import doctor, procs
+from helpers.doctor import pyspy
 from helpers.launch import launch
 
 HANG = textwrap.dedent("""\
@@ -164,6 +165,23 @@ def test_two_agents_attached_one_by_one_then_merged(tmp_path):
         assert data["per_rank"][3]["location"] == f"{two.script.name}:{_line('culprit')}"
     finally:
         two.stop()
+
+
+def test_stacks_of_ranks_in_init_process_group_name_the_rank_that_never_reached_it():
+    # what py-spy read of a real job (torch 2.13, gloo): rank 0 in init_process_group, rank 1 sleeping
+    c10d = "/venv/lib/python3.11/site-packages/torch/distributed/distributed_c10d.py"
+
+    def frame(file: str, line: int, func: str, user: bool) -> dict:
+        return {"file": file, "line": line, "func": func, "native": False, "user": user,
+                "where": f"{Path(file).name}:{line}"}
+
+    waiting = [frame("/job/train.py", 7, "<module>", True), frame(c10d, 1713, "init_process_group", False),
+               frame(c10d, 1850, "_new_process_group_helper", False)]
+    sleeping = [frame("/job/train.py", 6, "<module>", True)]
+    found = pyspy.diagnose_stacks({0: waiting, 1: sleeping}, 2, native=False)
+    assert (found.kind, found.ranks) == ("rank-missing", [1]), found.summary
+    assert found.summary.startswith("Rank 1 never reached the init_process_group that rank 0 entered at "
+                                    "train.py:7"), found.summary
 
 
 def test_bad_targets_exit_2_saying_what_to_do(tmp_path):

@@ -32,7 +32,7 @@ from pathlib import Path
 from typing import Any
 
 from helpers import report
-from helpers.collectives import OPS
+from helpers.collectives import INIT_OP, OPS
 from helpers.doctor.diagnosis import Diagnosis, diagnose
 from helpers.doctor.records import Op, RankView
 from helpers.doctor.wording import DATALOADER_FILE, issued_by, runs_in
@@ -331,10 +331,11 @@ def view_from_stack(rank: int, frames: list[dict[str, Any]], now: float) -> Rank
 
 
 def waiting_op(frames: list[dict[str, Any]]) -> Op | None:
-    """The collective a stack waits in: the outermost torch.distributed op on it, or, where native
-    frames show a wait in c10d with no Python op above it, the collective DDP issued from C++."""
+    """The collective a stack waits in: the outermost torch.distributed op on it (init_process_group
+    too: ranks wait there for each other), or, where native frames show a wait in c10d with no
+    Python op above it, the collective DDP issued from C++."""
     python = [f for f in frames if not f.get("native")]
-    ops = [f for f in python if f["file"].endswith(C10D_FILE) and f["func"] in OPS]
+    ops = [f for f in python if f["file"].endswith(C10D_FILE) and (f["func"] in OPS or f["func"] == INIT_OP)]
     user = next((f for f in reversed(python) if f.get("user")), None)
     if ops:
         name = ops[0]["func"]
