@@ -516,6 +516,25 @@ def _display(found) -> None:
     assert "doctor: hang (rank-missing)" in found.text()
 
 
+def test_the_swimlane_shows_init_process_group_only_while_ranks_wait_in_it():
+    def lanes(init_ended: bool):
+        base = time.time() - 20.0
+        views = {0: doctor.RankView(0), 1: doctor.RankView(1)}
+        for rank, view in views.items():
+            view.apply({**_init_record(rank), "t": base + rank})
+            if init_ended:
+                view.apply({"ev": "end", "id": 1, "t": base + 5.0, "ok": True})
+                view.apply({"ev": "op", "id": 2, "op": "barrier", "seq": 1, "t": base + 5.0 + rank})
+        axes = doctor.diagnose(views, 2, "stall", 5.0).swimlane().axes[0]
+        calls = [patch for patch in axes.patches if patch.get_height() == 0.5]  # a call's box
+        return [round(patch.get_x(), 3) for patch in calls], [text.get_text() for text in axes.texts]
+
+    lefts, labels = lanes(init_ended=False)
+    assert lefts == [0.0, 1.0] and "init_process_group @ train.py:4" in labels
+    lefts, labels = lanes(init_ended=True)  # start-up is not the story: the axis starts at the barrier
+    assert lefts == [0.0, 1.0] and not any("init_process_group" in label for label in labels), labels
+
+
 def test_a_rank_late_by_less_than_stall_s_is_ok(leftovers):
     healthy = scenarios.get("healthy").load()
     found = doctor.run_function(healthy.main, kwargs={"late_s": 2.5}, num_processes=2, stall_s=6.0)

@@ -12,6 +12,8 @@ from __future__ import annotations
 import time
 from typing import Any
 
+from helpers.collectives import INIT_OP
+
 MAX_BOXES = 40  # the latest calls per rank that get a box
 
 
@@ -51,19 +53,25 @@ def _time_range(evidence: Any, views: dict, histories: dict) -> tuple[float, flo
 
     The wait itself must show: the axis ends at the diagnosis, not where progress stopped.
     """
-    starts = [op.start for v in views.values() for op in v.python_ops() if op.start]
+    starts = [op.start for v in views.values() for op in _shown(v) if op.start]
     starts += [op.start for h in histories.values() for op in h.values() if op.start]
-    ends = [op.end for v in views.values() for op in v.python_ops() if op.end]
+    ends = [op.end for v in views.values() for op in _shown(v) if op.end]
     ends += [v.exit["t"] for v in views.values() if getattr(v, "exit", None)]
     origin = min(starts, default=evidence.started or time.time())
     end = evidence.detected_at or max(ends + starts, default=origin + 1)
     return origin, max(end, max(ends + starts, default=end))
 
 
+def _shown(view: Any) -> list:
+    """The calls a lane shows: init_process_group only while ranks wait in it (or it failed), as
+    start-up is not the story unless the hang is there."""
+    return [op for op in view.python_ops() if op.op != INIT_OP or op.end is None or op.ok is False]
+
+
 def _draw_calls(ax: Any, lane: int, view: Any, origin: float, end: float, culprit: bool) -> None:
     if view is None:
         return
-    for op in view.python_ops()[-MAX_BOXES:]:
+    for op in _shown(view)[-MAX_BOXES:]:
         if op.start is None:
             continue
         finish = op.end if op.end is not None else end
