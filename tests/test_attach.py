@@ -167,8 +167,9 @@ def test_two_agents_attached_one_by_one_then_merged(tmp_path):
         two.stop()
 
 
-def test_stacks_of_ranks_in_init_process_group_name_the_rank_that_never_reached_it():
-    # what py-spy read of a real job (torch 2.13, gloo): rank 0 in init_process_group, rank 1 sleeping
+def _init_hang_attached() -> pyspy.Attached:
+    """What py-spy read of a real job (torch 2.13, gloo): rank 0 in init_process_group, rank 1
+    sleeping before it; diagnosed."""
     c10d = "/venv/lib/python3.11/site-packages/torch/distributed/distributed_c10d.py"
 
     def frame(file: str, line: int, func: str, user: bool) -> dict:
@@ -178,10 +179,28 @@ def test_stacks_of_ranks_in_init_process_group_name_the_rank_that_never_reached_
     waiting = [frame("/job/train.py", 7, "<module>", True), frame(c10d, 1713, "init_process_group", False),
                frame(c10d, 1850, "_new_process_group_helper", False)]
     sleeping = [frame("/job/train.py", 6, "<module>", True)]
-    found = pyspy.diagnose_stacks({0: waiting, 1: sleeping}, 2, native=False)
+    stacks = {0: waiting, 1: sleeping}
+    return pyspy.Attached(pyspy.diagnose_stacks(stacks, 2, native=False), "vm", 2, "a job", [], stacks)
+
+
+def test_stacks_of_ranks_in_init_process_group_name_the_rank_that_never_reached_it():
+    found = _init_hang_attached().diagnosis
     assert (found.kind, found.ranks) == ("rank-missing", [1]), found.summary
     assert found.summary.startswith("Rank 1 never reached the init_process_group that rank 0 entered at "
                                     "train.py:7"), found.summary
+
+
+def test_a_rank_stuck_before_init_process_group_is_replayed_stuck_before_it(tmp_path, leftovers):
+    # the replay's rank 1 stays busy before its Accelerator() sets up the group, as the original
+    from helpers import repro
+
+    _init_hang_attached().to_json(tmp_path / "a.json")
+    script = repro.build_replay(tmp_path / "a.json", tmp_path / "out")
+    assert script.expected == {"kind": "rank-missing", "verdicts": [], "ranks": [1]}
+    run = repro.run_script(script, stall_s=3.0, timeout_s=120)
+    assert run.as_expected, run.verdict()
+    assert run.diagnosis.per_rank[0].op == "init_process_group", run.diagnosis.text()
+    leftovers.check()
 
 
 def test_bad_targets_exit_2_saying_what_to_do(tmp_path):

@@ -29,7 +29,7 @@ from pathlib import Path
 from typing import Any
 
 from helpers import params, redact, rundir
-from helpers.collectives import canonical_op
+from helpers.collectives import INIT_OP, canonical_op
 from helpers.doctor import RankView, flight_recorder, history, read_folder
 from helpers.doctor.pyspy import view_from_stack
 
@@ -379,8 +379,8 @@ def _end(recording: Recording, rank: int) -> tuple[str, Any]:
     state = recording.state_of(rank)
     if state == "in-collective":
         return "wait", None
-    if state == "outside-collective":
-        return "busy", None
+    if state == "outside-collective":  # before init_process_group, when others wait in it
+        return (BEFORE_INIT if _waited_in_init(recording) else "busy"), None
     if state == "finished":
         return "finish", None
     code = recording.exit_code_of(rank)
@@ -390,6 +390,15 @@ def _end(recording: Recording, rank: int) -> tuple[str, Any]:
     if exit_record.get("status") == "raised" and exit_record.get("error"):
         return "raise", _message(str(exit_record["error"]))
     return "exit", code if code is not None else 1
+
+
+BEFORE_INIT = "busy before init"  # a rank busy before it reached init_process_group
+
+
+def _waited_in_init(recording: Recording) -> bool:
+    """Did the doctor find some rank waiting in init_process_group?"""
+    return any(entry.get("op") == INIT_OP and entry.get("state") == "in-collective"
+               for entry in recording.diagnosis["per_rank"])
 
 
 def _message(text: str) -> str:
@@ -450,7 +459,7 @@ def comment(line: str, indent: str = "") -> str:
 
 def _imports(ends: set[str]) -> str:
     stdlib = ["argparse", "datetime", "time"]
-    if "signal" in ends:
+    if ends & {"signal", BEFORE_INIT}:
         stdlib += ["os"]
     lines = [f"import {name}" for name in sorted(stdlib)]
     lines += ["", "import torch", "import torch.distributed as dist",
@@ -461,7 +470,7 @@ def _imports(ends: set[str]) -> str:
 def _constants(plan: ReplayPlan) -> str:
     lines = ["PG_TIMEOUT_S = 0.0  # process-group timeout, seconds (0: torch's default, 30 min on gloo)",
              "GAP_S = 0.002  # pause between operations: a tracer tells consecutive calls apart by time"]
-    if any(rank.end == "busy" for rank in plan.ranks):
+    if any(rank.end in ("busy", BEFORE_INIT) for rank in plan.ranks):
         lines.append("BUSY_S = 600.0  # how long a rank that was busy outside any collective stays busy")
     lines += ["", "# Each rank's operations in order: (op, input shapes, dtype[, peer]); the comment says",
               "# where the original issued it. An all_to_all_single's peer is its [output rows,",
@@ -474,7 +483,8 @@ def _constants(plan: ReplayPlan) -> str:
         lines.append("    ],")
     lines.append("}")
     lines += ["# Where each rank was when the doctor looked: wait (in its last operation), busy (outside",
-              "# any), finish (ended normally), signal N (killed), exit N, raise MESSAGE.", "ENDS = {"]
+              "# any), busy before init (it never reached init_process_group), finish (ended normally),",
+              "# signal N (killed), exit N, raise MESSAGE.", "ENDS = {"]
     for rank in plan.ranks:
         name = f"  # {signal.Signals(rank.value).name}" if rank.end == "signal" else ""
         lines.append(_fit(f"    {rank.rank}: ({json.dumps(rank.end)}, {_python(rank.value)}),{name}"))
@@ -562,10 +572,20 @@ def _wrap_code(line: str, limit: int = 110) -> str:
 
 
 def _main_function(ends: set[str], own_path: bool) -> str:
+    busy = ends & {"busy", BEFORE_INIT}
     lines = [
         "",
-        f"def main(pg_timeout_s=PG_TIMEOUT_S, gap_s=GAP_S{', busy_s=BUSY_S' if 'busy' in ends else ''}):",
+        f"def main(pg_timeout_s=PG_TIMEOUT_S, gap_s=GAP_S{', busy_s=BUSY_S' if busy else ''}):",
         '    """Issue this rank\'s recorded operations, then stop where the original stopped."""',
+    ]
+    if BEFORE_INIT in ends:  # the rank is known from the launcher's environment before the group exists
+        lines += [
+            f'    if ENDS[int(os.environ.get("RANK", "0"))][0] == {json.dumps(BEFORE_INIT)}:',
+            "        deadline = time.monotonic() + busy_s  # as the original: no init_process_group yet",
+            "        while time.monotonic() < deadline:",
+            "            time.sleep(0.05)",
+        ]
+    lines += [
         "    timeout = datetime.timedelta(seconds=pg_timeout_s)",
         "    handlers = [InitProcessGroupKwargs(timeout=timeout)] if pg_timeout_s else []",
         "    accelerator = Accelerator(cpu=not torch.cuda.is_available(), kwargs_handlers=handlers)",
