@@ -966,6 +966,8 @@ def _doctor_cli(*args: str, timeout: float = 60) -> subprocess.CompletedProcess:
     (["--num-processes", "0", "--", "x.py"], "num_processes must be an integer in 1..64; got 0"),
     (["--stall-s", "-1", "--", "x.py"], "stall_s must be a number > 0"),
     (["--", "no_such_script.py"], "script 'no_such_script.py' not found"),
+    (["--stall-s", "5", "no_such_script.py"], "script 'no_such_script.py' not found"),  # no '--' needed
+    (["--attach", "123", "x.py"], "give one of --attach, --merge, --from-fr or a script"),
     (["--bogus", "--", "x.py"], "unrecognized arguments: --bogus"),
 ])
 def test_cli_bad_usage_exits_2_naming_the_argument(args, message, leftovers):

@@ -23,7 +23,7 @@ from helpers.doctor.diagnosis import Diagnosis
 from helpers.doctor.runs import command_problem, run_command
 from helpers.doctor.watcher import DEFAULT_STALL_S
 
-USAGE = ("usage: python -m helpers doctor --num-processes N -- script.py [args]\n"
+USAGE = ("usage: python -m helpers doctor --num-processes N [--] script.py [args]\n"
          "       python -m helpers doctor --attach PID|auto [--native] [--json PATH]\n"
          "       python -m helpers doctor --merge node0.json node1.json ... [--json PATH]\n"
          "       python -m helpers doctor --from-fr DIR [--json PATH]")
@@ -31,11 +31,11 @@ USAGE = ("usage: python -m helpers doctor --num-processes N -- script.py [args]\
 
 def cli_main(argv: list[str]) -> int:
     """``python -m helpers doctor ...``: exit 0/3/4/5, 2 on bad usage."""
-    if "--" in argv:
-        split = argv.index("--")
+    if "--" in argv or "--merge" in argv:  # --merge's files: not a script
+        split = argv.index("--") if "--" in argv else len(argv)
         options, command = argv[:split], argv[split + 1:]
-    else:
-        options, command = argv, []
+    else:  # the script from its name on, as `python -m helpers.doctor` takes it
+        options, command = split_command(argv, _VALUED | {"--attach", "--from-fr"})
     args = cli.parse(_parser(), options)
     if isinstance(args, int):
         return args
@@ -159,8 +159,9 @@ def _run_unwatched(command: list[str]) -> int:
     return code
 
 
-def split_command(argv: list[str]) -> tuple[list[str], list[str]]:
-    """The doctor's options, and the command from the script (or ``-m module``) on."""
+def split_command(argv: list[str], valued: set[str] = _VALUED) -> tuple[list[str], list[str]]:
+    """The doctor's options, and the command from the script (or ``-m module``) on; ``valued``: the
+    options that take a value (the next token)."""
     index = 0
     while index < len(argv):
         token = argv[index]
@@ -168,7 +169,7 @@ def split_command(argv: list[str]) -> tuple[list[str], list[str]]:
             return argv[:index], argv[index + 1:]
         if token == "-m" or not token.startswith("-"):
             return argv[:index], argv[index:]
-        index += 2 if token in _VALUED else 1
+        index += 2 if token in valued else 1
     return argv, []
 
 
