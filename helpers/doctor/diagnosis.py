@@ -466,9 +466,8 @@ def _classify(positions: dict[int, Position], histories: dict[int, dict], views:
         return "collective-mismatch", ranks, wording.skipped_group_summary(ranks, waiter, positions, members)
     missing = _missing_ranks(positions)
     if missing:
-        in_init = any(p.op is not None and p.op.op == INIT_OP for p in positions.values())
         return ("rank-missing", missing, wording.missing_summary(missing, positions),
-                *([wording.INIT_CURE] if in_init else []))
+                *([wording.INIT_CURE] if _waiting_in_init(positions) else []))
     if all(p.state == "finished" for p in positions.values()):
         count = max((len(h) for h in histories.values()), default=0)
         return "ok", [], (f"All {len(positions)} ranks finished; their collectives matched "
@@ -650,13 +649,18 @@ def _seen_elsewhere(rank: int, op: Op, histories, key) -> bool:
     return False
 
 
+def _waiting_in_init(positions: dict[int, Position]) -> bool:
+    """Does some rank wait in init_process_group (or did it, until its wait was ended)?"""
+    return any(p.op is not None and p.op.op == INIT_OP and (p.state == "in-collective" or p.victim)
+               for p in positions.values())
+
+
 def _exited_culprits(positions: dict[int, Position]) -> list[int]:
     """Ranks that ended (not as a victim of another's end) while others still needed them."""
     demand = max((p.seq or 0 for p in positions.values() if p.state == "in-collective" or p.victim),
                  default=0)
     stuck = any(p.state in ("in-collective", "outside-collective") or p.victim for p in positions.values())
-    in_init = any(p.op is not None and p.op.op == INIT_OP and (p.state == "in-collective" or p.victim)
-                  for p in positions.values())  # waiting for every rank, those that never issued one too
+    in_init = _waiting_in_init(positions)  # waiting for every rank, those that never issued one too
     culprits = []
     for pos in positions.values():
         if pos.state == "exited" and not pos.victim:

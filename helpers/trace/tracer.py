@@ -390,7 +390,7 @@ def _op_texts(plan: _Plan, group: Any, blocking: bool, tensors: Any, peer: Any, 
         key, cached = None, None
     if cached is not None and cached[0] is code and cached[1] is group:
         return cached[2], cached[3]
-    head = f'"op":"{plan.name}","pg":"{_group_name(group)}"{_group_ranks_json(group)}'
+    head = f'"op":"{plan.name}",{_group_json(group)}'
     tail = plan.fields(blocking, tensors, peer) + (site_json(code, offset) if code is not None else "")
     if key is not None:
         if len(_texts) >= _TEXTS_KEPT:
@@ -815,40 +815,32 @@ def _dtype_json(dtype: Any) -> str:
     return text
 
 
-_group_names: dict[int, str] = {}
-_group_ranks: dict[int, tuple[Any, str]] = {}  # id(group) -> (group, its text), as ``_texts``
+_groups: dict[int, tuple[Any, str]] = {}  # id(group) -> (group, its text), as ``_texts``
 
 
-def _group_ranks_json(group: Any) -> str:
-    """``,"pg_ranks":[2,3]``, a subgroup's global ranks ("" for the default group, or when torch
-    cannot say): the doctor knows a group's members before each has issued a collective there."""
+def _group_json(group: Any) -> str:
+    """``"pg":"1","pg_ranks":[2,3]``: a group's name and, for a subgroup, its global ranks (the
+    doctor knows a group's members before each has issued a collective there); ``"pg":"0"`` for the
+    default group. Cached per group, kept alive in the entry and checked on a hit."""
     if group is None:
-        return ""
-    cached = _group_ranks.get(id(group))
+        return '"pg":"0"'
+    cached = _groups.get(id(group))
     if cached is not None and cached[0] is group:
         return cached[1]
     try:
+        name = str(group.group_name)
+    except Exception:  # noqa: BLE001
+        name = "?"
+    text = f'"pg":{json.dumps(name)}'
+    try:
         import torch.distributed as dist
 
-        ranks = [int(rank) for rank in dist.get_process_group_ranks(group)]
-        world = group is dist.group.WORLD
-        text = "" if world else f',"pg_ranks":{json.dumps(ranks, separators=(",", ":"))}'
+        if group is not dist.group.WORLD:
+            ranks = [int(rank) for rank in dist.get_process_group_ranks(group)]
+            text += f',"pg_ranks":{json.dumps(ranks, separators=(",", ":"))}'
     except Exception:  # noqa: BLE001 - not a group torch knows: its own error comes with the call
-        text = ""
-    if len(_group_ranks) >= _TEXTS_KEPT:  # groups made anew every step must not grow memory
-        _group_ranks.clear()
-    _group_ranks[id(group)] = (group, text)
+        pass
+    if len(_groups) >= _TEXTS_KEPT:  # groups made anew every step must not grow memory
+        _groups.clear()
+    _groups[id(group)] = (group, text)
     return text
-
-
-def _group_name(group: Any) -> str:
-    if group is None:
-        return "0"
-    name = _group_names.get(id(group))
-    if name is None:
-        try:
-            name = str(group.group_name)
-        except Exception:  # noqa: BLE001
-            name = "?"
-        _group_names[id(group)] = name
-    return name
