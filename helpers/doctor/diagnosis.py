@@ -270,7 +270,7 @@ def position(view: RankView) -> Position:
     pos.state, pos.exit_code, pos.abnormal = "exited", view.exit_code, True
     error = exit_record.get("error")
     failed = _failed_op(view) or _failed_inside(view, error)
-    if failed is not None and failed.op == INIT_OP and not _INIT_WAITED.search(failed.error or ""):
+    if failed is not None and failed.op == INIT_OP and not _init_echo(failed.error or ""):
         failed = None  # its own setup failed (a peer's address refused): its own error, not an echo
     if exit_record.get("status") == "stopped":  # its launcher stopped it: an echo, not a cause,
         pos.victim = not exit_record.get("orphaned")  # unless its launcher died (a lost node)
@@ -314,6 +314,17 @@ _ENDED_WAITING = re.compile(r"timed out|timeout|SignalException|got signal|Keybo
 # signal: 15'; Ctrl-C)
 _INIT_WAITED = re.compile(r"DistStoreError|wait timeout|Timed out waiting|Socket Timeout|SignalException|"
                           r"got signal|KeyboardInterrupt", re.IGNORECASE)
+# a peer closed its connections: it ended. Raised in init_process_group ('Gloo connectFullMesh failed
+# with ... Connection closed by peer', torch 2.13), when a faster peer got through init, raised in a
+# check of its own arguments and left before this rank finished connecting: that peer's echo
+_PEER_GONE = re.compile(r"(closed|reset) by peer", re.IGNORECASE)
+
+
+def _init_echo(error: str) -> bool:
+    """Did init_process_group fail because of another rank (it waited for it, or it left)?"""
+    return bool(_INIT_WAITED.search(error) or _PEER_GONE.search(error))
+
+
 # ...unless it says the rank's own arguments were wrong ('ProcessGroupGloo::allgather: invalid output
 # tensor list at index 0 (expected length 2, got 3)'): the backend names itself in those too
 _ARGUMENT_ERROR = re.compile(r"invalid|expected|must (be|have|match)|does ?n[o']?t match|mismatch|"
@@ -342,16 +353,23 @@ def _failed_inside(view: RankView, error: str | None) -> Op | None:
     pending = [e for e in entries if not e.get("retired")]
     posted = _posted_p2p(view)  # in the wait() of one, mostly
     if not entries and not posted and not _collectives(view) and not view.last_seq():
+        if _PEER_GONE.search(error):  # still connecting in init_process_group as a peer left
+            return Op(op=INIT_OP, seq=0, pg="0", error=error, ok=False, **_exit_site(view))
         return None  # before any collective: init_process_group's own connections, its own error
     if pending or not posted:
         pending = pending or entries[-1:]
         op = fr_op(pending[0]) if pending else Op(op="collective", seq=view.pending_seq())
     else:  # the newest send or recv still open: the helper thread may not have seen the earlier
         op = replace(posted[-1])  # ones complete (it looks every FLUSH_S)
-    exit_record = view.exit or {}
-    op.where, op.file, op.line = (exit_record.get(k) for k in ("where", "file", "line"))
+    op.where, op.file, op.line = _exit_site(view).values()
     op.error, op.ok = error, False
     return op
+
+
+def _exit_site(view: RankView) -> dict[str, Any]:
+    """Where the rank's exception left the user's code, as its exit record says."""
+    exit_record = view.exit or {}
+    return {key: exit_record.get(key) for key in ("where", "file", "line")}
 
 
 def _failed_op(view: RankView) -> Op | None:
@@ -444,6 +462,9 @@ def _classify(positions: dict[int, Position], histories: dict[int, dict], views:
         divergence = _current_divergence(positions)
     if divergence is not None:
         return _divergence_kind(divergence, positions, histories)
+    unpaired = _unpaired_own_splits(positions)
+    if unpaired:
+        return "shape-mismatch", *unpaired, wording.SPLIT_CURE
     exited = _exited_culprits(positions)
     extra = _extra_collectives(positions, exited)
     if extra:
@@ -579,6 +600,29 @@ def split_mismatch(present: dict[int, Op]) -> list[tuple[int, int, int, int]]:
             if sent != expected:
                 pairs.append((sender, receiver, sent, expected))
     return pairs
+
+
+def _unpaired_own_splits(positions: dict[int, Position]):
+    """Ranks whose own all_to_all_single split sizes do not pair up with themselves (the rows a rank
+    sends itself must be the rows it expects from itself), told from each rank's call alone: gloo
+    rejects such a call before it sends anything ('enforce fail at gloo/alltoallv.cc:138]
+    inLengthPerRank[myRank] == outLengthPerRank[myRank]'), and the rank may leave before a slower
+    peer's call is recorded. (culprits, summary) or None."""
+    pairs, present = [], {}
+    for rank, pos in sorted(positions.items()):
+        op = pos.op
+        if op is None or op.seq is None or canonical_op(op.op) not in SPLIT_OPS or op.splits is None:
+            continue
+        members = op.pg_ranks or sorted(positions)
+        sizes = _splits(op, len(members)) if rank in members else None
+        me = members.index(rank) if sizes else 0
+        if sizes and sizes[1][me] != sizes[0][me]:
+            pairs.append((rank, rank, sizes[1][me], sizes[0][me]))
+            present[rank] = op
+    if not pairs:
+        return None
+    first = present[pairs[0][0]]
+    return sorted(present), wording.split_summary((first.pg, first.seq), present, pairs, sorted(present))
 
 
 def _splits(op: Op, members: int) -> tuple[list[int], list[int]] | None:

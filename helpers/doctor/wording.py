@@ -265,9 +265,11 @@ def split_summary(key: tuple[str, int], present: dict[int, Op],
     parts = [f"rank {sender} sends {_rows(sent)} to rank {receiver}, which expects {expected}"
              for sender, receiver, sent, expected in shown[:4]]
     more = f" ({len(shown) - 4} more pairs)" if len(shown) > 4 else ""
+    alone = all(sender == receiver for sender, receiver, *_ in shown)  # told from each rank's own call
+    whose = ("its own" if len(culprits) == 1 else "their own") if alone else "the others'"
     return (f"Ranks called all_to_all_single{f' at {site}' if site else ''} (collective #{key[1]}) with "
             "split sizes that do not pair up: " + "; ".join(parts) + f"{more}. {ranks_text(culprits)} "
-            "passed split sizes that do not match the others'. Rank i's input split j must equal rank "
+            f"passed split sizes that do not match {whose}. Rank i's input split j must equal rank "
             "j's output split i.")
 
 
