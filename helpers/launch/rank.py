@@ -14,6 +14,7 @@ Command ranks start as ``python -m helpers.launch script.py [args]`` (untraced) 
 from __future__ import annotations
 
 import atexit
+import contextlib
 import datetime
 import faulthandler
 import os
@@ -22,7 +23,7 @@ import sys
 import tempfile
 import threading
 import traceback
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import IO, Any, NoReturn
@@ -93,6 +94,23 @@ def _reset_accelerate_state() -> None:
     state.GradientState._reset_state()
 
 
+_INIT_BARRIER = "TORCH_DIST_INIT_BARRIER"  # torch 2.13: 1 = a store-based barrier ends init_process_group
+
+
+@contextlib.contextmanager
+def _environ_set(name: str, value: str) -> Iterator[None]:
+    """``os.environ[name] = value`` for the block, then as it was."""
+    previous = os.environ.get(name)
+    os.environ[name] = value
+    try:
+        yield
+    finally:
+        if previous is None:
+            os.environ.pop(name, None)
+        else:
+            os.environ[name] = previous
+
+
 def _init_group(spec: RankSpec) -> None:
     import torch
     import torch.distributed as dist
@@ -101,13 +119,17 @@ def _init_group(spec: RankSpec) -> None:
         torch.cuda.set_device(spec.rank)
     init = dist.init_process_group  # the tracer's, when installed: the launcher's own is not recorded
     init = init.__wrapped__ if getattr(init, "_helpers_traced", False) else init
-    init(
-        backend=spec.backend,
-        rank=spec.rank,
-        world_size=spec.num_processes,
-        # past the launcher's deadline, so the launcher stops a hang (with stacks) first
-        timeout=datetime.timedelta(seconds=spec.timeout_s + PG_TIMEOUT_MARGIN_S),
-    )
+    # every rank leaves init connected (torch's store-based barrier after the group is built): else a
+    # rank whose first call fails a check of its own leaves while a peer still connects, and that
+    # peer's error ('Connection closed by peer' in init) says nothing of where it would have waited
+    with _environ_set(_INIT_BARRIER, "1"):  # the user's own new_group calls keep torch's default
+        init(
+            backend=spec.backend,
+            rank=spec.rank,
+            world_size=spec.num_processes,
+            # past the launcher's deadline, so the launcher stops a hang (with stacks) first
+            timeout=datetime.timedelta(seconds=spec.timeout_s + PG_TIMEOUT_MARGIN_S),
+        )
     world, rank = dist.get_world_size(), dist.get_rank()
     if (world, rank) != (spec.num_processes, spec.rank):
         raise RuntimeError(f"process group mismatch: expected rank {spec.rank} of "
