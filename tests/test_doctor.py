@@ -449,6 +449,44 @@ def test_two_groups_of_the_same_ranks_used_in_opposite_orders_name_both_ranks(le
     leftovers.check()
 
 
+def _pair_groups_in_a_ring_of_orders():
+    import torch
+    import torch.distributed as dist
+
+    pairs = {ranks: dist.new_group(list(ranks)) for ranks in ((0, 1), (1, 2), (0, 2))}
+    order = {0: [(0, 1), (0, 2)], 1: [(1, 2), (0, 1)], 2: [(0, 2), (1, 2)]}[dist.get_rank()]
+    for ranks in order:  # each rank starts with the pair that the next rank reaches last
+        dist.all_reduce(torch.ones(2), group=pairs[ranks])  # line: ring of pairs
+
+
+def test_three_pair_groups_waiting_in_a_ring_name_the_ring(leftovers):
+    # rank 0 waits for rank 1 in their pair, rank 1 for rank 2 in theirs, rank 2 for rank 0: no two
+    # ranks wait for each other, the cycle runs through all three (was: unknown)
+    with pytest.raises(doctor.HangDetected) as info:
+        doctor.launch(_pair_groups_in_a_ring_of_orders, num_processes=3, timeout_s=60, stall_s=1.5)
+    found = info.value.diagnosis
+    assert (found.kind, found.ranks) == ("collective-mismatch", [0, 1, 2]), found.summary
+    site = f"{HERE}:{_line('ring of pairs')}"
+    assert (f"rank 0 in the all_reduce of group 1 (ranks 0 and 1) at {site} (its collective #1 there); "
+            f"rank 1 in the all_reduce of group 2 (ranks 1 and 2) at {site} (its collective #1 there); "
+            f"rank 2 in the all_reduce of group 3 (ranks 0 and 2) at {site}") in found.summary, found.summary
+    assert found.fix.startswith(wording.CROSSED_GROUPS_CURE)
+    leftovers.check()
+
+
+def test_a_chain_of_waits_that_ends_outside_any_collective_is_no_cycle():
+    from helpers.doctor.records import Position
+
+    def waits_in(rank: int, group: str) -> Position:
+        return Position(rank, "in-collective", op=doctor.Op("all_reduce", pg=group, seq=1), seq=1)
+
+    waiting = {0: waits_in(0, "a"), 1: waits_in(1, "b"), 2: waits_in(2, "c")}
+    ahead = {0: 1, 1: 2, 2: 0}  # who holds up whom: 1 holds 0, 2 holds 1, 0 holds 2
+    assert diagnosis_module._wait_cycle(waiting, lambda rank, pos: ahead[pos.rank] == rank) == [0, 1, 2]
+    ahead[2] = 3  # rank 2 waits for a rank outside any collective: a chain, not a cycle
+    assert diagnosis_module._wait_cycle(waiting, lambda rank, pos: ahead[pos.rank] == rank) == []
+
+
 def _side_group_in_a_branch(rank: int, calls: list) -> None:  # the lines the views below cite
     calls.append("world")  # line: world first
     if rank == 0:

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import re
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field, fields, replace
 from typing import Any
 
@@ -801,7 +802,32 @@ def _skipped_group_collective(positions: dict[int, Position], histories: dict[in
                           and not rank_conditional(waiting[rank].file, waiting[rank].line) for rank in ranks)
             crossed = crossed and not rank_conditional(pos.file, pos.line)
             return ranks, pos, {name: sorted(ranks) for name, ranks in members.items()}, crossed
+    cycle = _wait_cycle(waiting, lambda rank, pos: not_issued(rank, pos.op.pg, pos.seq))
+    if cycle:  # three or more groups: each rank waits for the next, the last for the first
+        return cycle, waiting[cycle[0]], {name: sorted(ranks) for name, ranks in members.items()}, True
     return None
+
+
+def _wait_cycle(waiting: dict[int, Position], holds: Callable[[int, Position], bool]) -> list[int]:
+    """The ranks of a cycle of waits, sorted ([] if none): each waits in a collective of its group
+    that a member, waiting in another group's collective (``holds(member, waiter)``: it has not
+    issued the waiter's), holds up, and so around, back to the first."""
+    follows = {rank: [other for other, there in sorted(waiting.items())
+                      if there.op.pg != pos.op.pg and holds(other, pos)] for rank, pos in waiting.items()}
+    done: set[int] = set()  # explored: no cycle goes through them
+    for start in sorted(follows):
+        path, choices = [start], [iter(follows[start])]
+        while choices:
+            step = next(choices[-1], None)
+            if step is None:
+                done.add(path.pop())
+                choices.pop()
+            elif step in path:
+                return sorted(path[path.index(step):])
+            elif step not in done:
+                path.append(step)
+                choices.append(iter(follows[step]))
+    return []
 
 
 def _group_members(issued: dict[tuple[int, str], int], waiting: list[Position],
