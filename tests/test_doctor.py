@@ -1283,6 +1283,48 @@ def test_first_divergence_names_the_lowest_sequence_number():
     assert diagnosis_module.first_divergence({0: same, 1: dict(same)}) is None
 
 
+_RANK_NAMED_OTHERWISE = """\
+import torch.distributed as dist
+
+
+def evaluate(args, accelerator):
+    r = dist.get_rank()
+    first = r == 0
+    rank, world = dist.get_rank(), dist.get_world_size()
+    if r == 1:
+        dist.barrier()  # line 9: r is the rank
+    if first:
+        dist.barrier()  # line 11: derived from r
+    if world > 1:
+        dist.barrier()  # line 13: the world size, not the rank
+    if args.local_rank in (-1, 0):
+        dist.barrier()  # line 15: local_rank
+    if accelerator.ranking_enabled:
+        dist.barrier()  # line 17: a word that merely starts with 'rank'
+
+
+def other(response):
+    if response.r == 200:
+        return  # line 22: another function's 'r' is not the rank
+
+
+class Trainer:
+    def __init__(self, accelerator):
+        self.me = accelerator.process_index
+
+    def step(self):
+        if self.me == 0:
+            dist.barrier()  # line 31: an attribute set from the rank
+"""
+
+
+def test_a_branch_on_a_name_the_script_gave_the_rank_is_rank_conditional(tmp_path):
+    script = tmp_path / "evaluate.py"
+    script.write_text(_RANK_NAMED_OTHERWISE)
+    conditional = [line for line in (9, 11, 13, 15, 17, 22, 31) if source.rank_conditional(str(script), line)]
+    assert conditional == [9, 11, 15, 31]
+
+
 def test_rank_conditional_lines_are_found_in_the_source():
     script = scenarios.get("main-only-collective")
     assert source.rank_conditional(str(script.path), script.line("main-only"))

@@ -13,9 +13,12 @@ from typing import Any
 
 from helpers.sites import is_user_code
 
+# the rank, as scripts name it: accelerate's properties, torch's get_rank, an environment variable,
+# any name with 'rank' as a word or a part of one (local_rank, args.local_rank, global_rank, rank_id)
 _RANK_TEST = re.compile(r"is_main_process|is_local_main_process|is_last_process|process_index|"
-                        r"local_process_index|\brank\b|get_rank|RANK")
+                        r"(?:\b|_)rank(?:s?\b|_)", re.IGNORECASE)
 _trees: dict[str, Any] = {}
+_rank_names_of: dict[str, dict] = {}  # a file's names of the rank, by scope (``_rank_names``)
 
 
 def _tree(filename: str | None):
@@ -36,12 +39,86 @@ def rank_conditional(filename: str | None, line: int | None) -> bool:
     if parsed is None or line is None:
         return False
     tree, source = parsed
+    if filename not in _rank_names_of:
+        _rank_names_of[filename] = _rank_names(tree, source)
+    derived = _rank_names_of[filename]
     for node in ast.walk(tree):
         if isinstance(node, ast.If) and node.lineno < line <= (node.end_lineno or 0):
             test = ast.get_source_segment(source, node.test) or ""
-            if _RANK_TEST.search(test):
+            if _RANK_TEST.search(test) or _names_in(node.test) & _visible(derived, node.lineno):
                 return True
     return False
+
+
+Scope = tuple[int, int] | None  # a function's first and last line; None: the module (and attributes)
+
+
+def _rank_names(tree: ast.AST, source: str) -> dict[Scope, set[str]]:
+    """Names the script gives the rank or what it derives from it (``r = dist.get_rank()``,
+    ``main = accelerator.is_main_process``, ``first = r == 0``), by the function they are set in;
+    an attribute (``self.me = ...``) by its name, for the whole file: a test on one of them is a
+    test on the rank. Of ``rank, world = get_rank(), get_world_size()`` only the name whose own
+    value says so."""
+    assignments = list(_assignments(tree, None))
+    names: dict[Scope, set[str]] = {None: set()}
+    grown = True
+    while grown:  # a name from a name from the rank, to any depth
+        grown = False
+        for scope, target, value in assignments:
+            text = ast.get_source_segment(source, value) or ""
+            if not (_RANK_TEST.search(text) or _names_in(value) & _visible(names, value.lineno)):
+                continue
+            for name, where in _targets(target, scope):
+                if name not in names.setdefault(where, set()):
+                    names[where].add(name)
+                    grown = True
+    return names
+
+
+def _assignments(node: ast.AST, scope: Scope):
+    """(scope, target, value) of each assignment under ``node``, a tuple unpacked item by item."""
+    for child in ast.iter_child_nodes(node):
+        inner = scope
+        if isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda)):
+            inner = (child.lineno, child.end_lineno or child.lineno)
+        targets, value = [], None
+        if isinstance(child, ast.Assign):
+            targets, value = child.targets, child.value
+        elif isinstance(child, (ast.AnnAssign, ast.NamedExpr)) and child.value is not None:
+            targets, value = [child.target], child.value
+        for target in targets:
+            paired = isinstance(target, ast.Tuple) and isinstance(value, ast.Tuple) and \
+                len(target.elts) == len(value.elts)
+            for one, its in zip(target.elts, value.elts, strict=True) if paired else [(target, value)]:
+                yield scope, one, its
+        yield from _assignments(child, inner)
+
+
+def _targets(target: ast.AST, scope: Scope) -> list[tuple[str, Scope]]:
+    """The names an assignment target sets, each with where it is seen: a plain name in its
+    function, an attribute's name everywhere."""
+    if isinstance(target, ast.Name):
+        return [(target.id, scope)]
+    if isinstance(target, ast.Attribute):
+        return [(target.attr, None)]
+    if isinstance(target, (ast.Tuple, ast.List)):
+        return [found for item in target.elts for found in _targets(item, scope)]
+    return []
+
+
+def _visible(names: dict[Scope, set[str]], line: int) -> set[str]:
+    """The rank's names seen at ``line``: the file's, and those of the functions around it."""
+    seen = set(names.get(None, ()))
+    for scope, found in names.items():
+        if scope is not None and scope[0] <= line <= scope[1]:
+            seen |= found
+    return seen
+
+
+def _names_in(node: ast.AST) -> set[str]:
+    """The plain names and attribute names an expression reads."""
+    return {n.id if isinstance(n, ast.Name) else n.attr for n in ast.walk(node)
+            if isinstance(n, (ast.Name, ast.Attribute))}
 
 
 def enclosing_loop(filename: str | None, line: int | None) -> int | None:

@@ -332,12 +332,17 @@ def _different_path(present: dict[int, Op], culprits: list[int], positions: dict
     calls are inside one loop and the other side's come after it, in the same function (the
     culprits on either side: the ranks with more batches may be the fewer): a loop ran out first on
     some ranks, most often a DataLoader with fewer batches. Else ' Rank 2 took a different path
-    from the others.'"""
+    from the others.' (' The ranks took different paths here.' when every rank is named)"""
     sites = {rank: _site(op, positions.get(rank)) for rank, op in present.items()}
     mine = sorted(rank for rank in culprits if rank in present)
     others = sorted(rank for rank in present if rank not in culprits)
     left = _left_loop(sites, mine, others, "the others") or _left_loop(sites, others, mine, ranks_text(mine))
-    return left or f" {ranks_text(culprits)} took a different path from the others."
+    if left:
+        return left
+    if not others:  # no side is the common path: every rank's call is as likely the odd one
+        return " The ranks took different paths here."
+    other = "the others" if len(others) > 1 else f"rank {others[0]}"
+    return f" {ranks_text(culprits)} took a different path from {other}."
 
 
 def _left_loop(sites: dict[int, tuple[str, int] | None], leavers: list[int], stayers: list[int],
