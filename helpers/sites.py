@@ -1,7 +1,8 @@
 """What counts as the user's code, for call sites and stack locations.
 
-The doctor names the user's line: the first frame outside torch, accelerate, helpers and the
-standard library. ``helpers.scenarios`` (the catalog's scripts, run as users run them) and
+The doctor names the user's line: the first frame outside torch, accelerate, helpers (and the shims
+that wrap their functions, typing_extensions's deprecation wrapper) and the standard library.
+``helpers.scenarios`` (the catalog's scripts, run as users run them) and
 ``__main__`` (the script being run, a notebook cell) are user code.
 
 Two callers know different things. The tracer, inside a rank, sees each frame's module name, so a
@@ -16,7 +17,11 @@ import sysconfig
 from pathlib import Path
 
 USER_PACKAGES = ("helpers.scenarios",)
-LIBRARY_PACKAGES = frozenset({"torch", "accelerate", "helpers"})
+# torch, accelerate, this package, and the shims that wrap a library's functions on its behalf:
+# torch 2.13 marks all_gather_into_tensor and reduce_scatter_tensor deprecated with
+# typing_extensions.deprecated, whose wrapper frame sits between the user's call and torch's
+LIBRARY_PACKAGES = frozenset({"torch", "accelerate", "helpers", "typing_extensions", "wrapt", "deprecated",
+                              "decorator"})
 STDLIB = tuple({sysconfig.get_paths()["stdlib"], sysconfig.get_paths()["platstdlib"]})
 HELPERS_DIR = str(Path(__file__).resolve().parent) + "/"
 SCENARIOS_DIR = HELPERS_DIR + "scenarios/"

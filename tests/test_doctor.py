@@ -197,6 +197,29 @@ def test_an_error_of_a_ranks_own_inside_a_collective_makes_it_the_culprit_not_a_
     leftovers.check()
 
 
+def _gather_a_larger_shard_into_a_tensor():
+    import torch
+    import torch.distributed as dist
+
+    rows = 3 if dist.get_rank() == 1 else 2  # rank 1's last batch is larger
+    dist.all_gather_into_tensor(torch.zeros(4, 4), torch.ones(rows, 4))  # line: gather into tensor
+
+
+def test_an_error_in_a_deprecated_op_is_placed_at_the_users_line_not_torchs_deprecation_wrapper(tmp_path,
+                                                                                                 leftovers):
+    # torch 2.13 wraps all_gather_into_tensor in typing_extensions.deprecated: the traceback's
+    # innermost frame outside torch was that wrapper's (typing_extensions.py:3140), in the exit record
+    # that places an error raised outside the records' calls
+    found = _failed_run(_gather_a_larger_shard_into_a_tensor, keep_dir=tmp_path)
+    assert found.kind == "shape-mismatch" and 1 in found.ranks, found.summary
+    site = f"{HERE}:{_line('gather into tensor')}"
+    assert [rank.location for rank in found.per_rank] == [site, site], found.per_rank
+    exits = [json.loads(line) for line in (tmp_path / "trace-1.jsonl").read_text().splitlines()
+             if '"ev":"exit"' in line]
+    assert [record["where"] for record in exits] == [site], exits
+    leftovers.check()
+
+
 def _all_to_all_with_splits_of_its_own():
     import torch
     import torch.distributed as dist

@@ -387,6 +387,8 @@ def test_user_code_is_told_apart_from_libraries():
     assert not is_user_code(sites.HELPERS_DIR + "doctor/__main__.py", "__main__")
     assert is_user_code(sites.SCENARIOS_DIR + "dead_rank.py", "__main__")
     assert not is_user_code(os.path.join(sites.STDLIB[0], "contextlib.py"), "contextlib")
+    # torch 2.13's deprecation wrapper around all_gather_into_tensor, between the user's call and torch's
+    assert not is_user_code("/venv/site-packages/typing_extensions.py", "typing_extensions")
     # from a path alone (stack text, tracebacks): site-packages is a library
     assert is_user_code("/home/me/train.py") and is_user_code("/repo/helpers/scenarios/healthy.py")
     assert not is_user_code("/venv/site-packages/mytrainer/loop.py")
