@@ -220,6 +220,33 @@ def test_an_error_in_a_deprecated_op_is_placed_at_the_users_line_not_torchs_depr
     leftovers.check()
 
 
+def _reduce_a_dict_with_a_key_of_its_own():
+    import torch
+    from accelerate import Accelerator
+
+    accelerator = Accelerator(cpu=True)
+    metrics = {"loss": torch.tensor(1.0)}
+    if accelerator.process_index == 1:
+        metrics["aux_loss"] = torch.tensor(0.5)  # only rank 1's batch had the auxiliary head
+    accelerator.reduce(metrics, reduction="mean")  # line: reduce dict
+    accelerator.wait_for_everyone()  # line: after reduce
+
+
+def test_a_dict_reduced_with_a_key_only_one_rank_has_names_that_rank_and_the_repeated_line(leftovers):
+    # accelerate reduces a dict one tensor at a time: rank 1's extra key is a second all_reduce from
+    # the same line while rank 0 is in the barrier after it (was: rank 0 'took a different path')
+    with pytest.raises(doctor.HangDetected) as info:
+        doctor.launch(_reduce_a_dict_with_a_key_of_its_own, num_processes=2, timeout_s=60, stall_s=1.5)
+    found = info.value.diagnosis
+    assert (found.kind, found.ranks) == ("collective-mismatch", [1]), found.summary
+    assert found.summary.startswith(
+        f"Ranks issued all_reduce at {HERE}:{_line('reduce dict')} a different number of times in a row: "
+        f"rank 0 once, then barrier at {HERE}:{_line('after reduce')} as collective #2; rank 1 2 times, the "
+        "last as collective #2. Rank 1 issued it more times than rank 0."), found.summary
+    assert found.fix.startswith(wording.REPEATED_CALL_CURE)
+    leftovers.check()
+
+
 def _all_to_all_with_splits_of_its_own():
     import torch
     import torch.distributed as dist

@@ -21,7 +21,13 @@ from helpers import report
 from helpers.collectives import ALL_JOIN, INIT_OP, OBJECT_LISTS, ROOTS, SPLIT_OPS, canonical_op
 from helpers.doctor import wording
 from helpers.doctor.records import Evidence, Op, Position, RankView, fr_op
-from helpers.doctor.source import enclosing_function, faulthandler_stack, rank_conditional, source_line
+from helpers.doctor.source import (
+    enclosing_function,
+    enclosing_loop,
+    faulthandler_stack,
+    rank_conditional,
+    source_line,
+)
 from helpers.rundir import describe_exit
 
 EXIT_CODES = {"ok": 0, "hang": 3, "crash": 4, "mismatch": 5}
@@ -455,10 +461,12 @@ def _classify(positions: dict[int, Position], histories: dict[int, dict], views:
     """(kind, culprits, summary), and a cure when the evidence tells one that the culprits'
     positions do not (split sizes that do not pair up)."""
     divergence = first_divergence(histories)
-    python = first_divergence({rank: python_history(view) for rank, view in views.items()})
+    python_histories = {rank: python_history(view) for rank, view in views.items()}
+    python = first_divergence(python_histories)
     if python is not None and (divergence is None or (python[0][1], -len(python[2])) <
                                (divergence[0][1], -len(divergence[2]))):
         divergence = python  # earlier, or as early and seen by more ranks (a killed rank has no FR)
+        histories = python_histories  # what the ranks issued before it, as the same source tells
     if divergence is None:
         divergence = _current_divergence(positions)
     if divergence is not None:
@@ -556,6 +564,11 @@ def _divergence_kind(divergence, positions, histories):
         summary = wording.split_summary(key, present, pairs, culprits)
         return "shape-mismatch", culprits, summary, wording.SPLIT_CURE
     culprits = _odd_ones_out(groups, present, histories, key)
+    repeated = _repeated_call(present, histories, key)
+    if repeated is not None:
+        culprits, counts, call = repeated
+        summary = wording.repeated_call_summary(key, present, counts, call, culprits)
+        return "collective-mismatch", culprits, summary, wording.REPEATED_CALL_CURE
     if len(ops) == 1 and len({sig[:2] for sig in groups}) == 1:  # the same call but for its root
         return "collective-mismatch", culprits, wording.root_summary(key, present, culprits)
     kind = "collective-mismatch" if len(ops) > 1 else "shape-mismatch"
@@ -569,6 +582,47 @@ def _divergence_kind(divergence, positions, histories):
     if kind == "collective-mismatch" and wording.LOOP_RAN_OUT in summary:  # a loop ran out first
         return kind, culprits, summary, wording.UNEVEN_LOOP_CURE
     return kind, culprits, summary
+
+
+def _repeated_call(present: dict[int, Op], histories: dict[int, dict], key: tuple[str, int]):
+    """Some ranks issue the call they issued last again (the same op, shapes and line, not in a loop
+    of the user's), the others a different one after it, neither in a branch on the rank: the line
+    issued more collectives on the first (one per item of a dict or list whose keys or length differ
+    by rank: accelerate's reduce and gather of a dict, a loop inside a library call).
+    (culprits, {rank: the call's count in a row up to ``key``}, the call) or None; the culprits:
+    the smaller side, else the ranks that issued more."""
+    group, seq = key
+    rows = {rank: _calls_in_a_row(histories.get(rank, {}), group, seq, op) for rank, op in present.items()}
+    if any(row is None for row in rows.values()):
+        return None
+    again = sorted(rank for rank, row in rows.items() if row[2])
+    moved_on = sorted(rank for rank, row in rows.items() if not row[2])
+    call = rows[again[0]][1] if again else None
+    if call is None or not moved_on or any(not _same_call(rows[rank][1], call)
+                                           or present[rank].where == call.where for rank in moved_on):
+        return None  # the others did not issue that call just before, or issue it again too
+    if enclosing_loop(call.file, call.line) is not None or any(
+            rank_conditional(op.file, op.line) for op in present.values()):
+        return None  # the user's loop or branch on the rank: what the calls' lines tell is the story
+    counts = {rank: row[0] for rank, row in rows.items()}
+    return (moved_on if len(again) * 2 > len(present) else again), counts, call
+
+
+def _calls_in_a_row(history: dict, group: str, seq: int, now: Op) -> tuple[int, Op, bool] | None:
+    """(how many times in a row the call before #``seq`` of ``group`` was issued, #seq counted when
+    it is ``now`` the same call again; that call; whether it is) or None without the one before."""
+    before = history.get((group, seq - 1))
+    if before is None or not before.where:
+        return None
+    count, number = 0, seq - 1
+    while (earlier := history.get((group, number))) is not None and _same_call(earlier, before):
+        count, number = count + 1, number - 1
+    again = _same_call(now, before)
+    return count + again, before, again
+
+
+def _same_call(op: Op, other: Op) -> bool:
+    return op.where == other.where and op.signature() == other.signature()
 
 
 def _calls_of_other_functions(present: dict[int, Op]) -> bool:

@@ -92,6 +92,12 @@ CROSSED_P2P_CURE = (
     "first), or post both with dist.isend / dist.irecv (or dist.batch_isend_irecv) and then wait on them.")
 
 LOOP_RAN_OUT = "ran out first"  # in a summary: some ranks left a loop the others are still in
+REPEATED_CALL_CURE = (
+    "Give the call the same structure on every rank: the same keys in the same order and lists of the "
+    "same length (a metric that only some batches have: add it as a zero tensor on every rank, not only "
+    "where it occurs). accelerate's reduce and gather take a dict or list one tensor at a time, one "
+    "collective each.")
+
 UNEVEN_LOOP_CURE = (
     "Give every rank the same number of iterations: keep accelerate's even_batches=True (its default: "
     "the last batch is filled with samples from the start), or torch's DistributedSampler (drop_last=False "
@@ -273,6 +279,33 @@ def split_summary(key: tuple[str, int], present: dict[int, Op],
             "j's output split i.")
 
 
+def repeated_call_summary(key: tuple[str, int], present: dict[int, Op], counts: dict[int, int], call: Op,
+                          culprits: list[int]) -> str:
+    """Some ranks issued one line's collective more times in a row than the others, which went on to
+    another call: 'Ranks issued all_reduce at train.py:8 a different number of times in a row: rank
+    0 once, then barrier at train.py:9 as collective #2; rank 1 2 times, the last as collective #2.'"""
+    parts = []
+    for rank, op in sorted(present.items()):
+        times = "once" if counts[rank] == 1 else f"{counts[rank]} times"
+        if op.where == call.where:
+            parts.append(f"rank {rank} {times}, the last as collective #{key[1]}")
+        else:
+            parts.append(f"rank {rank} {times}, then {_op_name(op)}{' at ' + op.where if op.where else ''} "
+                         f"as collective #{key[1]}")
+    more = "more" if all(present[rank].where == call.where for rank in culprits) else "fewer"
+    others = _others_text([rank for rank in present if rank not in culprits])
+    return (f"Ranks issued {_op_name(call)}{' at ' + call.where if call.where else ''} a different number of "
+            f"times in a row: {'; '.join(parts)}. {ranks_text(culprits)} issued it {more} times than "
+            f"{others}. The line issues one collective per item of what it is given (accelerate's reduce "
+            "and gather of a dict or a list), and what it is given differs by rank (other keys, another "
+            "length).")
+
+
+def _others_text(others: list[int]) -> str:
+    """'the others', or 'rank 0' when there is one."""
+    return f"rank {others[0]}" if len(others) == 1 else "the others"
+
+
 def _rows(count: int) -> str:
     return f"{count} row" if count == 1 else f"{count} rows"
 
@@ -341,8 +374,7 @@ def _different_path(present: dict[int, Op], culprits: list[int], positions: dict
         return left
     if not others:  # no side is the common path: every rank's call is as likely the odd one
         return " The ranks took different paths here."
-    other = "the others" if len(others) > 1 else f"rank {others[0]}"
-    return f" {ranks_text(culprits)} took a different path from {other}."
+    return f" {ranks_text(culprits)} took a different path from {_others_text(others)}."
 
 
 def _left_loop(sites: dict[int, tuple[str, int] | None], leavers: list[int], stayers: list[int],
