@@ -44,6 +44,13 @@ def _failed_run(function, num_processes: int = 2, keep_dir: Path | None = None) 
     return info.value.diagnosis
 
 
+def _hung_run(function, num_processes: int = 2) -> doctor.Diagnosis:
+    """The diagnosis of a run of ``function`` that hangs (the doctor stops it after ``stall_s``)."""
+    with pytest.raises(doctor.HangDetected) as info:
+        doctor.launch(function, num_processes=num_processes, timeout_s=60, stall_s=1.5)
+    return info.value.diagnosis
+
+
 def _skip_barrier_on_rank_one():
     import torch.distributed as dist
 
@@ -92,9 +99,7 @@ def _pipeline_wired_wrong():
 
 
 def test_a_recv_whose_peer_is_in_another_operation_names_the_peer(leftovers):
-    with pytest.raises(doctor.HangDetected) as info:
-        doctor.launch(_pipeline_wired_wrong, num_processes=4, timeout_s=60, stall_s=1.5)
-    found = info.value.diagnosis
+    found = _hung_run(_pipeline_wired_wrong, num_processes=4)
     assert (found.verdict, found.kind, found.ranks) == ("hang", "rank-missing", [2])
     assert found.per_rank[1].op == "recv" and found.per_rank[1].location == f"{HERE}:{_line('recv')}"
     barrier = f"{HERE}:{_line('pipeline barrier')}"
@@ -115,9 +120,7 @@ def _pair_both_send_first():
 
 
 def test_two_ranks_each_sending_to_the_other_first_are_a_crossed_pair(leftovers):
-    with pytest.raises(doctor.HangDetected) as info:
-        doctor.launch(_pair_both_send_first, num_processes=3, timeout_s=60, stall_s=1.5)
-    found = info.value.diagnosis
+    found = _hung_run(_pair_both_send_first, num_processes=3)
     assert (found.verdict, found.kind, found.ranks) == ("hang", "collective-mismatch", [0, 1]), found.summary
     send = f"{HERE}:{_line('crossed send')}"
     assert found.summary.startswith(f"Rank 0 waits to send to rank 1 (send at {send}) while rank 1 waits to "
@@ -143,9 +146,7 @@ def _scatter_skips_a_send():
 
 
 def test_a_rank_in_the_wait_of_an_irecv_whose_send_never_came_names_the_sender(leftovers):
-    with pytest.raises(doctor.HangDetected) as info:
-        doctor.launch(_scatter_skips_a_send, num_processes=3, timeout_s=60, stall_s=1.5)
-    found = info.value.diagnosis
+    found = _hung_run(_scatter_skips_a_send, num_processes=3)
     assert (found.verdict, found.kind, found.ranks) == ("hang", "rank-missing", [0])
     wait, after = f"{HERE}:{_line('wait')}", f"{HERE}:{_line('after p2p')}"
     assert (found.per_rank[2].op, found.per_rank[2].location, found.per_rank[2].state) == (
@@ -235,9 +236,7 @@ def _reduce_a_dict_with_a_key_of_its_own():
 def test_a_dict_reduced_with_a_key_only_one_rank_has_names_that_rank_and_the_repeated_line(leftovers):
     # accelerate reduces a dict one tensor at a time: rank 1's extra key is a second all_reduce from
     # the same line while rank 0 is in the barrier after it (was: rank 0 'took a different path')
-    with pytest.raises(doctor.HangDetected) as info:
-        doctor.launch(_reduce_a_dict_with_a_key_of_its_own, num_processes=2, timeout_s=60, stall_s=1.5)
-    found = info.value.diagnosis
+    found = _hung_run(_reduce_a_dict_with_a_key_of_its_own)
     assert (found.kind, found.ranks) == ("collective-mismatch", [1]), found.summary
     assert found.summary.startswith(
         f"Ranks issued all_reduce at {HERE}:{_line('reduce dict')} a different number of times in a row: "
@@ -329,9 +328,7 @@ def _broadcast_from_its_own_rank():
 
 
 def test_a_broadcast_with_a_root_of_its_own_names_that_rank(leftovers):
-    with pytest.raises(doctor.HangDetected) as info:
-        doctor.launch(_broadcast_from_its_own_rank, num_processes=3, timeout_s=60, stall_s=1.5)
-    found = info.value.diagnosis
+    found = _hung_run(_broadcast_from_its_own_rank, num_processes=3)
     assert (found.kind, found.ranks) == ("collective-mismatch", [1]), found.summary
     site = f"{HERE}:{_line('broadcast root')}"
     assert found.summary.startswith(f"Ranks called broadcast at {site} (collective #"), found.summary
@@ -437,9 +434,7 @@ def _subgroup_member_stays_behind():
 
 
 def test_ranks_waiting_in_different_operations_are_each_named(leftovers):
-    with pytest.raises(doctor.HangDetected) as info:
-        doctor.launch(_subgroup_member_stays_behind, num_processes=4, timeout_s=60, stall_s=1.5)
-    found = info.value.diagnosis
+    found = _hung_run(_subgroup_member_stays_behind, num_processes=4)
     assert (found.kind, found.ranks) == ("rank-missing", [3])
     assert found.summary.startswith(
         f"Rank 3 never reached the barrier that ranks 0 and 1 entered at {HERE}:{_line('world barrier')} "
@@ -465,9 +460,7 @@ def test_a_subgroup_collective_one_member_skips_is_named_though_every_rank_waits
     # rank 2 waits in the pair's all_reduce that rank 3 skipped; rank 3 in the next world all_reduce,
     # which rank 2 cannot reach: every rank in a collective, no numbered collective issued by two
     # ranks differently
-    with pytest.raises(doctor.HangDetected) as info:
-        doctor.launch(_subgroup_collective_skipped, num_processes=4, timeout_s=60, stall_s=1.5)
-    found = info.value.diagnosis
+    found = _hung_run(_subgroup_collective_skipped, num_processes=4)
     assert (found.kind, found.ranks) == ("collective-mismatch", [3]), found.summary
     assert found.summary.startswith(
         f"Rank 3 never issued the all_reduce of group 1 (ranks 2 and 3) that rank 2 waits in at "
@@ -488,9 +481,7 @@ def _groups_in_opposite_orders():
 def test_two_groups_of_the_same_ranks_used_in_opposite_orders_name_both_ranks(leftovers):
     # each rank's first collective is in a group the other has not reached: no rank outside a
     # collective, no number issued differently, and neither group is the smaller one to blame
-    with pytest.raises(doctor.HangDetected) as info:
-        doctor.launch(_groups_in_opposite_orders, num_processes=2, timeout_s=60, stall_s=1.5)
-    found = info.value.diagnosis
+    found = _hung_run(_groups_in_opposite_orders)
     assert (found.kind, found.ranks) == ("collective-mismatch", [0, 1]), found.summary
     site = f"{HERE}:{_line('crossed groups')}"
     assert (f"rank 0 in the all_reduce of group 1 (ranks 0 and 1) at {site} (its collective #1 there); "
@@ -512,9 +503,7 @@ def _pair_groups_in_a_ring_of_orders():
 def test_three_pair_groups_waiting_in_a_ring_name_the_ring(leftovers):
     # rank 0 waits for rank 1 in their pair, rank 1 for rank 2 in theirs, rank 2 for rank 0: no two
     # ranks wait for each other, the cycle runs through all three (was: unknown)
-    with pytest.raises(doctor.HangDetected) as info:
-        doctor.launch(_pair_groups_in_a_ring_of_orders, num_processes=3, timeout_s=60, stall_s=1.5)
-    found = info.value.diagnosis
+    found = _hung_run(_pair_groups_in_a_ring_of_orders, num_processes=3)
     assert (found.kind, found.ranks) == ("collective-mismatch", [0, 1, 2]), found.summary
     site = f"{HERE}:{_line('ring of pairs')}"
     assert (f"rank 0 in the all_reduce of group 1 (ranks 0 and 1) at {site} (its collective #1 there); "
