@@ -1354,13 +1354,21 @@ class Trainer:
     def step(self):
         if self.me == 0:
             dist.barrier()  # line 31: an attribute set from the rank
+
+
+def setup(local_rank):
+    device = torch.device("cuda", local_rank)
+    num_ranks = dist.get_world_size()
+    if device.type == "cuda" or num_ranks > 1:
+        dist.barrier()  # line 38: a value built with the rank, and the world size, are not the rank
 """
 
 
 def test_a_branch_on_a_name_the_script_gave_the_rank_is_rank_conditional(tmp_path):
     script = tmp_path / "evaluate.py"
     script.write_text(_RANK_NAMED_OTHERWISE)
-    conditional = [line for line in (9, 11, 13, 15, 17, 22, 31) if source.rank_conditional(str(script), line)]
+    lines = (9, 11, 13, 15, 17, 22, 31, 38)
+    conditional = [line for line in lines if source.rank_conditional(str(script), line)]
     assert conditional == [9, 11, 15, 31]
 
 

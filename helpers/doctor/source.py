@@ -16,7 +16,7 @@ from helpers.sites import is_user_code
 # the rank, as scripts name it: accelerate's properties, torch's get_rank, an environment variable,
 # any name with 'rank' as a word or a part of one (local_rank, args.local_rank, global_rank, rank_id)
 _RANK_TEST = re.compile(r"is_main_process|is_local_main_process|is_last_process|process_index|"
-                        r"(?:\b|_)rank(?:s?\b|_)", re.IGNORECASE)
+                        r"(?:\b|_)rank(?:\b|_)", re.IGNORECASE)
 _trees: dict[str, Any] = {}
 _rank_names_of: dict[str, dict] = {}  # a file's names of the rank, by scope (``_rank_names``)
 
@@ -54,8 +54,9 @@ Scope = tuple[int, int] | None  # a function's first and last line; None: the mo
 
 
 def _rank_names(tree: ast.AST, source: str) -> dict[Scope, set[str]]:
-    """Names the script gives the rank or what it derives from it (``r = dist.get_rank()``,
-    ``main = accelerator.is_main_process``, ``first = r == 0``), by the function they are set in;
+    """Names the script gives the rank or a number or truth it computes from it (``r =
+    dist.get_rank()``, ``main = accelerator.is_main_process``, ``first = r == 0``;
+    ``_from_rank``), by the function they are set in;
     an attribute (``self.me = ...``) by its name, for the whole file: a test on one of them is a
     test on the rank. Of ``rank, world = get_rank(), get_world_size()`` only the name whose own
     value says so."""
@@ -65,14 +66,32 @@ def _rank_names(tree: ast.AST, source: str) -> dict[Scope, set[str]]:
     while grown:  # a name from a name from the rank, to any depth
         grown = False
         for scope, target, value in assignments:
-            text = ast.get_source_segment(source, value) or ""
-            if not (_RANK_TEST.search(text) or _names_in(value) & _visible(names, value.lineno)):
+            if not _from_rank(value, _visible(names, value.lineno), source):
                 continue
             for name, where in _targets(target, scope):
                 if name not in names.setdefault(where, set()):
                     names[where].add(name)
                     grown = True
     return names
+
+
+def _from_rank(node: ast.AST, names: set[str], source: str) -> bool:
+    """Is an assigned value the rank, or a number or truth computed from it (``r == 0``,
+    ``int(os.environ["LOCAL_RANK"])``, ``not is_main``)? Not a value merely built with it
+    (``torch.device("cuda", local_rank)``, an f-string): a test on that is not a test on the rank."""
+    if isinstance(node, ast.Name):
+        return node.id in names or bool(_RANK_TEST.search(node.id))
+    if isinstance(node, (ast.Attribute, ast.Subscript)):
+        named = isinstance(node, ast.Attribute) and node.attr in names
+        return named or bool(_RANK_TEST.search(ast.get_source_segment(source, node) or ""))
+    if isinstance(node, ast.Call):
+        func = ast.get_source_segment(source, node.func) or ""
+        return bool(_RANK_TEST.search(func)) or (
+            func in ("int", "bool") and any(_from_rank(arg, names, source) for arg in node.args))
+    if isinstance(node, (ast.Compare, ast.BoolOp, ast.UnaryOp, ast.BinOp, ast.IfExp)):
+        return any(_from_rank(part, names, source) for part in ast.iter_child_nodes(node)
+                   if isinstance(part, ast.expr))
+    return False
 
 
 def _assignments(node: ast.AST, scope: Scope):
