@@ -218,6 +218,8 @@ def test_an_error_in_a_deprecated_op_is_placed_at_the_users_line_not_torchs_depr
     exits = [json.loads(line) for line in (tmp_path / "trace-1.jsonl").read_text().splitlines()
              if '"ev":"exit"' in line]
     assert [record["where"] for record in exits] == [site], exits
+    # and the user's frames that led there, outermost first (a branch on the rank around a caller)
+    assert [where for _file, _line_number, where in exits[0]["callers"]][-1] == site, exits
     leftovers.check()
 
 
@@ -243,6 +245,38 @@ def test_a_dict_reduced_with_a_key_only_one_rank_has_names_that_rank_and_the_rep
         f"rank 0 once, then barrier at {HERE}:{_line('after reduce')} as collective #2; rank 1 2 times, the "
         "last as collective #2. Rank 1 issued it more times than rank 0."), found.summary
     assert found.fix.startswith(wording.REPEATED_CALL_CURE)
+    leftovers.check()
+
+
+def _evaluate_the_ddp_model_on_the_main_process():
+    import torch
+    from accelerate import Accelerator
+
+    accelerator = Accelerator(cpu=True)
+    torch.manual_seed(0)
+    model = accelerator.prepare(torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.BatchNorm1d(8)))
+    accelerator.backward(model(torch.randn(4, 8)).sum())
+
+    def evaluate():
+        with torch.no_grad():
+            return model(torch.randn(4, 8))  # line: eval forward
+
+    if accelerator.is_main_process:
+        evaluate()  # line: eval call
+    accelerator.wait_for_everyone()  # line: eval barrier
+
+
+def test_a_ddp_model_run_on_the_main_process_alone_is_named_with_the_caller_in_the_branch(leftovers):
+    # DDP broadcasts the buffers (BatchNorm's) in the first forward after a training step: rank 0's
+    # evaluation waits in that broadcast, issued from C++, while rank 1 waits in the barrier after
+    found = _hung_run(_evaluate_the_ddp_model_on_the_main_process)
+    assert (found.kind, found.ranks) == ("collective-mismatch", [0]), found.summary
+    assert f"rank 0 in broadcast at {HERE}:{_line('eval forward')}, issued by DDP inside forward()" \
+        in found.summary, found.summary
+    branch = f"{HERE}:{_line('eval call')}"
+    assert found.summary.endswith(f"Rank 0 took a different path from rank 1 (rank 0's call at {branch}, "
+                                  "inside a branch on the rank)."), found.summary
+    assert found.fix.startswith(wording.MODEL_ON_ONE_RANK_CURE)
     leftovers.check()
 
 

@@ -266,7 +266,34 @@ def _owner(python: list[Op], created: float) -> Op | None:
 
 
 def position(view: RankView) -> Position:
-    """Where a rank is: in a collective, outside any, finished, or exited (and how)."""
+    """Where a rank is: in a collective, outside any, finished, or exited (and how), and the
+    user's frames that led there."""
+    pos = _position(view)
+    pos.callers = _callers(view)
+    return pos
+
+
+def _callers(view: RankView) -> list[tuple[str, int, str]]:
+    """The user's frames (file, line, where) a rank was in, outermost first: its error's traceback,
+    else its last stack."""
+    recorded = (view.exit or {}).get("callers")
+    if recorded:
+        return [(file, line, where) for file, line, where in recorded]
+    stack = (view.state or {}).get("stack") or faulthandler_stack(view.stack_text)
+    return [(frame["file"], frame["line"], frame["where"]) for frame in stack if frame.get("user")]
+
+
+def rank_branch(pos: Position) -> str | None:
+    """Where the rank entered a branch on the rank on its way to where it is: its own line's, or a
+    caller's ('train.py:41', where ``evaluate(model)`` sits under ``if accelerator.is_main_process:``);
+    None when no branch on the rank leads there."""
+    file, line = pos.file or (pos.op and pos.op.file), pos.line or (pos.op and pos.op.line)
+    if rank_conditional(file, line):
+        return pos.where or (pos.op and pos.op.where) or ""
+    return next((where for file, line, where in pos.callers if rank_conditional(file, line)), None)
+
+
+def _position(view: RankView) -> Position:
     exit_record = view.exit or {}
     if view.ended and view.exit_code == 0 and exit_record.get("status") == "finished":
         return Position(view.rank, "finished", exit_code=0, seq=view.last_seq() or None)
@@ -477,7 +504,10 @@ def _classify(positions: dict[int, Position], histories: dict[int, dict], views:
     exited = _exited_culprits(positions)
     extra = _extra_collectives(positions, exited)
     if extra:
-        return "collective-mismatch", extra, wording.extra_collective_summary(extra, positions)
+        summary = wording.extra_collective_summary(extra, positions)
+        if any(_issued_from_cpp(positions[rank]) for rank in extra):
+            return "collective-mismatch", extra, summary, wording.MODEL_ON_ONE_RANK_CURE
+        return "collective-mismatch", extra, summary
     if exited:
         return "rank-exited", exited, wording.exited_summary(exited, positions)
     crossed = _crossed_p2p(positions)
@@ -563,7 +593,7 @@ def _divergence_kind(divergence, positions, histories):
         culprits = _split_culprits(present, pairs)
         summary = wording.split_summary(key, present, pairs, culprits)
         return "shape-mismatch", culprits, summary, wording.SPLIT_CURE
-    culprits = _odd_ones_out(groups, present, histories, key)
+    culprits = _odd_ones_out(groups, present, histories, key, positions)
     repeated = _repeated_call(present, histories, key)
     if repeated is not None:
         culprits, counts, call = repeated
@@ -581,6 +611,8 @@ def _divergence_kind(divergence, positions, histories):
     summary = wording.divergence_summary(kind, key, present, culprits, positions)
     if kind == "collective-mismatch" and wording.LOOP_RAN_OUT in summary:  # a loop ran out first
         return kind, culprits, summary, wording.UNEVEN_LOOP_CURE
+    if kind == "collective-mismatch" and any(_cpp_call_in_rank_branch(positions[r], key) for r in culprits):
+        return kind, culprits, summary, wording.MODEL_ON_ONE_RANK_CURE
     return kind, culprits, summary
 
 
@@ -709,15 +741,20 @@ def _split_culprits(present: dict[int, Op], pairs: list[tuple[int, int, int, int
     return sorted(rank for rank, count in counts.items() if count == most)
 
 
-def _odd_ones_out(groups: dict[tuple, list[int]], present: dict[int, Op], histories, key) -> list[int]:
+def _odd_ones_out(groups: dict[tuple, list[int]], present: dict[int, Op], histories, key,
+                  positions: dict[int, Position] | None = None) -> list[int]:
     """Which ranks diverged: those whose list differs from the source rank's in an object-list
-    broadcast (the source's objects are the ones sent), then rank-conditional code, then a strict
+    broadcast (the source's objects are the ones sent), then rank-conditional code (around the
+    call's line, or, for the collective a rank is in now, around a caller's), then a strict
     majority, then history."""
     everyone = sorted(present)
     root = _common_root(present)
     if root in present and all(wording.is_object_list(op) for op in present.values()):
         return [r for r in everyone if present[r].signature() != present[root].signature()]
-    conditional = [r for r in everyone if rank_conditional(present[r].file, present[r].line)]
+    now = {rank: pos for rank, pos in (positions or {}).items()
+           if pos.seq == key[1] and pos.op is not None and pos.op.pg == key[0]}
+    conditional = [r for r in everyone if rank_conditional(present[r].file, present[r].line)
+                   or (r in now and rank_branch(now[r]) is not None)]
     if conditional and len(conditional) < len(everyone):
         return conditional
     largest = max(groups.values(), key=len)
@@ -772,6 +809,18 @@ def _exited_culprits(positions: dict[int, Position]) -> list[int]:
     return sorted(outside or culprits or _own_errors(positions))
 
 
+def _cpp_call_in_rank_branch(pos: Position, key: tuple[str, int]) -> bool:
+    """Is the rank in collective ``key``, issued from C++ (DDP's), on a path through a branch on the
+    rank (a DDP model's forward under ``if accelerator.is_main_process:``)?"""
+    return (_issued_from_cpp(pos) and (pos.op.pg, pos.seq) == key) and rank_branch(pos) is not None
+
+
+def _issued_from_cpp(pos: Position) -> bool:
+    """Is the rank in (or did it fail in) a collective no call the tracer saw issued (DDP's, from
+    C++)? A position takes its op from the Flight Recorder only then."""
+    return pos.op is not None and pos.op.source == "flight-recorder"
+
+
 def _extra_collectives(positions: dict[int, Position], exited: list[int]) -> list[int]:
     """Ranks that called a collective inside a rank-dependent branch (``if rank == 0:``) after every
     other rank finished its work cleanly: the call is theirs alone, the others did not end early.
@@ -783,7 +832,7 @@ def _extra_collectives(positions: dict[int, Position], exited: list[int]) -> lis
     if not exited or any(positions[rank].state != "finished" for rank in exited):
         return []
     if not calling or any(p.op is None or p.op.p2p or not (p.state == "in-collective" or p.victim)
-                          or not rank_conditional(p.file or p.op.file, p.line or p.op.line) for p in calling):
+                          or rank_branch(p) is None for p in calling):
         return []
     return sorted(p.rank for p in calling)
 

@@ -259,6 +259,8 @@ class Position:
     abnormal: bool = False  # ended by a signal, a non-zero exit or an exception
     victim: bool = False  # raised inside a collective (a consequence, not a cause)
     timed_out: bool = False  # its wait was ended from outside: torch's timeout, or a signal as it waited
+    callers: list[tuple[str, int, str]] = field(default_factory=list)  # the user's frames it was called
+    #                                     from, outermost first: (file, line, where)
 
 
 @dataclass

@@ -92,6 +92,13 @@ CROSSED_P2P_CURE = (
     "first), or post both with dist.isend / dist.irecv (or dist.batch_isend_irecv) and then wait on them.")
 
 LOOP_RAN_OUT = "ran out first"  # in a summary: some ranks left a loop the others are still in
+MODEL_ON_ONE_RANK_CURE = (
+    "The collective is none of your calls: DDP issues its own, a broadcast of the model's buffers "
+    "(BatchNorm's statistics) in the first forward after a training step, and the gradients' "
+    "all-reduce in backward. A DDP-wrapped model run on one rank alone (evaluation or sampling under "
+    "'if accelerator.is_main_process:') waits for the other ranks there: run that on every rank, or "
+    "run accelerator.unwrap_model(model) on the one rank.")
+
 REPEATED_CALL_CURE = (
     "Give the call the same structure on every rank: the same keys in the same order and lists of the "
     "same length (a metric that only some batches have: add it as a zero tensor on every rank, not only "
@@ -374,7 +381,10 @@ def _different_path(present: dict[int, Op], culprits: list[int], positions: dict
         return left
     if not others:  # no side is the common path: every rank's call is as likely the odd one
         return " The ranks took different paths here."
-    return f" {ranks_text(culprits)} took a different path from {_others_text(others)}."
+    branches = [f"rank {rank}'s call at {branch}" for rank in culprits if rank in positions
+                and positions[rank].op is not None and (branch := _branch_site(positions[rank]))]
+    inside = f" ({', '.join(branches)}, inside a branch on the rank)" if branches else ""
+    return f" {ranks_text(culprits)} took a different path from {_others_text(others)}{inside}."
 
 
 def _left_loop(sites: dict[int, tuple[str, int] | None], leavers: list[int], stayers: list[int],
@@ -453,13 +463,30 @@ def _ended_how(pos: Position, several: bool) -> str:
     return how + (f" after {'their' if several else 'its'} last collective{_at(pos)}" if pos.where else "")
 
 
+def _branch_text(pos: Position) -> str:
+    """' (from its call at train.py:41)': the caller that sits in the branch on the rank, when the
+    branch is not around the collective's own line."""
+    branch = _branch_site(pos)
+    return f" (from its call at {branch})" if branch else ""
+
+
+def _branch_site(pos: Position) -> str | None:
+    """Where a caller of the rank's collective sits in a branch on the rank, when that is not the
+    collective's own line ('train.py:41', where ``evaluate(model)`` is called)."""
+    from helpers.doctor.diagnosis import rank_branch  # the diagnosis imports this module
+
+    branch = rank_branch(pos)
+    return branch if branch and branch != (pos.where or (pos.op and pos.op.where)) else None
+
+
 def extra_collective_summary(extra: list[int], positions: dict[int, Position]) -> str:
     """Ranks that called a collective in a rank-dependent branch the others finished without."""
     calls, failures = [], []
     for rank in extra:
         pos = positions[rank]
         seq = f" (collective #{pos.seq})" if pos.seq is not None else ""
-        calls.append(f"rank {rank} called {_op_name(pos.op)}{_at(pos)}{seq}")
+        branch = _branch_text(pos)
+        calls.append(f"rank {rank} called {_op_name(pos.op)}{_at(pos)}{seq}{branch}")
         if pos.state == "exited" and pos.op.error:
             failures.append(f"Rank {rank} then failed in it as they left: {short_error(pos.op.error)}")
     others = sorted(rank for rank in positions if rank not in extra)

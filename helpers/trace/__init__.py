@@ -45,6 +45,7 @@ from helpers.trace.callsites import (
     error_text,
     is_user_frame,
     label,
+    traceback_callers,
     traceback_site,
     user_frame,
 )
@@ -68,7 +69,8 @@ from helpers.trace.tracer import FLUSH_S, Tracer
 __all__ = ["FLUSH_S", "FR_BUFFER_SIZE", "FR_STACK_TRACE", "FR_TAIL", "POLL_S", "STACKS_REQUEST", "Tracer",
            "ask", "describe_stack", "dump_stacks", "error_text", "finish", "flight_recorder",
            "flight_recorder_tail", "flush", "group_progress", "install", "is_user_frame", "label",
-           "rank_state", "save_state", "settle", "traceback_site", "user_frame", "write_state"]
+           "rank_state", "save_state", "settle", "traceback_callers", "traceback_site", "user_frame",
+           "write_state"]
 
 FR_BUFFER_SIZE = "256"  # Flight Recorder entries kept per rank (unless the user set a size)
 # The Flight Recorder gathers a stack for every entry unless told not to: about 15 us of CPU (30 us
@@ -138,6 +140,7 @@ def finish(status: str, error: BaseException | None = None) -> None:
         site = traceback_site(error.__traceback__)
         if site:
             record.update(site)
+            record["callers"] = traceback_callers(error.__traceback__)
     tracer.write(record)  # first: a launcher may stop this process any moment now
     if tracer.helper is not None:
         tracer.helper.stop()

@@ -109,6 +109,18 @@ def traceback_site(tb: Any) -> dict[str, Any] | None:
     return site
 
 
+def traceback_callers(tb: Any) -> list[list[Any]]:
+    """The user frames of a traceback as [file, line, where], outermost first: the calls that led to
+    the error (a branch on the rank around one of them tells who alone made the call)."""
+    callers = []
+    while tb is not None:
+        if is_user_frame(tb.tb_frame):
+            filename = tb.tb_frame.f_code.co_filename
+            callers.append([filename, tb.tb_lineno, label(filename, tb.tb_lineno)])
+        tb = tb.tb_next
+    return callers
+
+
 ERROR_CHARS = 800  # an error's text kept in a record
 DATALOADER_FILE = "/torch/utils/data/dataloader.py"
 DATALOADER_READ = "reading from its DataLoader's worker processes"
