@@ -200,6 +200,22 @@ def test_stack_signal_without_previous_handler_does_not_kill(leftovers):
     leftovers.check()
 
 
+def _signal_after_faulthandler_let_go() -> str:
+    import faulthandler
+
+    faulthandler.unregister(launch_module.STACK_SIGNAL)  # as at interpreter shutdown
+    os.kill(os.getpid(), launch_module.STACK_SIGNAL)  # a stack request arriving then
+    return "alive"
+
+
+def test_a_stack_request_as_a_rank_shuts_down_does_not_kill_it(leftovers):
+    # faulthandler puts back the signal's earlier disposition as the interpreter shuts down: a rank
+    # that had raised and written its exit record was killed by a late request (exit -10, not 1)
+    assert launch(_signal_after_faulthandler_let_go, num_processes=1, init_group=False,
+                  timeout_s=30) == ["alive"]
+    leftovers.check()
+
+
 def _churn_until(flag: str) -> str:
     """A side thread runs Python nonstop (frames pushed and popped) while the main one polls."""
     import json

@@ -60,6 +60,8 @@ def install_stack_dump(path: Path, all_threads: bool = True) -> IO[str]:
     handle = open(path, "a", buffering=1)  # noqa: SIM115 - kept open for the rank's lifetime
     previous = signal.getsignal(STACK_SIGNAL)
     chain = callable(previous)
+    if previous == signal.SIG_DFL:  # what faulthandler puts back as the interpreter shuts down: a
+        signal.signal(STACK_SIGNAL, signal.SIG_IGN)  # request then must not kill the rank (exit -10)
     faulthandler.register(STACK_SIGNAL, file=handle, all_threads=all_threads, chain=chain)
     faulthandler.enable(file=handle, all_threads=True)  # SIGSEGV, SIGABRT...: the stack, then death
     signal.pthread_sigmask(signal.SIG_UNBLOCK, {STACK_SIGNAL})
