@@ -1342,6 +1342,29 @@ def test_a_connection_error_after_cpp_collectives_is_an_echo_though_the_final_du
     assert (found.verdict, found.kind, found.ranks) == ("crash", "rank-exited", [1]), found.summary
 
 
+def test_a_wait_the_process_groups_timeout_ended_adds_the_timeout_to_the_missing_ranks_cure():
+    # torch 2.13 gloo, InitProcessGroupKwargs(timeout=4 s): rank 1 still loads a checkpoint
+    error = ("RuntimeError: [/__w/pytorch/pytorch/third_party/gloo/gloo/transport/tcp/unbound_buffer.cc:78] "
+             "Timed out waiting 4000ms for recv operation to complete")
+    views = {0: doctor.RankView(0), 1: doctor.RankView(1)}
+    site = {"where": "train.py:7", "file": "train.py", "line": 7}
+    views[0].apply({"ev": "op", "id": 1, "op": "barrier", "pg": "0", "seq": 1, "t": 1.0, **site})
+    views[0].apply({"ev": "end", "id": 1, "t": 5.0, "ok": False, "error": error})
+    views[0].apply({"ev": "exit", "status": "raised", "t": 5.0, "error": error, **site})
+    views[0].ended, views[0].exit_code = True, 1
+    found = doctor.diagnose(views, 2, "failure", 0.1)
+    assert (found.kind, found.ranks) == ("rank-missing", [1]), found.summary
+    assert found.summary.endswith("Rank 0 stopped waiting at the process group's timeout (RuntimeError: "
+                                  "Timed out waiting 4000ms for recv operation to complete)."), found.summary
+    assert found.fix.startswith(wording.TIMEOUT_CURE)
+    # a wait a signal ended (torchrun's SIGTERM) is no timeout
+    signalled = "torch.distributed.elastic.multiprocessing.api.SignalException: Process 7 got signal: 15"
+    views[0].apply({"ev": "end", "id": 1, "t": 5.0, "ok": False, "error": signalled})
+    views[0].exit["error"] = signalled
+    found = doctor.diagnose(views, 2, "failure", 0.1)
+    assert "timeout" not in found.summary and not found.fix.startswith(wording.TIMEOUT_CURE), found.summary
+
+
 def test_first_divergence_names_the_lowest_sequence_number():
     op = doctor.Op
     same = {("0", 1): op("all_reduce", shapes=[[4]], dtypes=["float32"])}

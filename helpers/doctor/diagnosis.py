@@ -526,8 +526,10 @@ def _classify(positions: dict[int, Position], histories: dict[int, dict], views:
         return "collective-mismatch", ranks, wording.skipped_group_summary(ranks, waiter, positions, members)
     missing = _missing_ranks(positions)
     if missing:
-        return ("rank-missing", missing, wording.missing_summary(missing, positions),
-                *([wording.INIT_CURE] if _waiting_in_init(positions) else []))
+        cures = [wording.INIT_CURE] if _waiting_in_init(positions) else []
+        if wording.gave_up(positions):  # torch's timeout ended a wait: the missing rank may be slow
+            cures.append(wording.TIMEOUT_CURE)
+        return ("rank-missing", missing, wording.missing_summary(missing, positions), *cures)
     if all(p.state == "finished" for p in positions.values()):
         count = max((len(h) for h in histories.values()), default=0)
         return "ok", [], (f"All {len(positions)} ranks finished; their collectives matched "

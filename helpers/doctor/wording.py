@@ -120,6 +120,12 @@ INIT_CURE = (
     "shared filesystem) holds the others there: do it after the group is set up, on the main process "
     "inside accelerator.main_process_first() (the others wait in a barrier for it), or on every rank.")
 
+TIMEOUT_CURE = (
+    "If the missing rank's work is slow rather than stuck (a checkpoint, a download, a first compile), "
+    "give it the time: a longer process-group timeout, set before the group exists (accelerate: "
+    "Accelerator(kwargs_handlers=[InitProcessGroupKwargs(timeout=timedelta(minutes=60))]); torch's "
+    "defaults: 10 minutes on NCCL, 30 on gloo), or do that work on every rank, or after the collective.")
+
 CROSSED_GROUPS_CURE = (
     "Issue the collectives of groups that share ranks in one order on every rank (loop over the groups "
     "in a fixed order, not one that depends on the rank): a rank blocks in each until the group's other "
@@ -517,7 +523,19 @@ def missing_summary(missing: list[int], positions: dict[int, Position]) -> str:
         what = pos.detail or ("outside any collective" if not pos.where else "")
         where.append(f"rank {rank} is {what}".rstrip()
                      + (f" ({pos.where})" if pos.where and pos.where not in what else ""))
-    return text + "; " + "; ".join(where) + "."
+    given_up = gave_up(positions)
+    ended = (f" {ranks_text(given_up)} stopped waiting at the process group's timeout ("
+             f"{short_error(positions[given_up[0]].op.error)})." if given_up else "")
+    return text + "; " + "; ".join(where) + "." + ended
+
+
+_TORCH_TIMEOUT = re.compile(r"timed out|timeout", re.IGNORECASE)
+
+
+def gave_up(positions: dict[int, Position]) -> list[int]:
+    """The ranks whose wait in a collective the process group's timeout ended (not a signal)."""
+    return sorted(p.rank for p in positions.values() if p.timed_out and p.op is not None
+                  and _TORCH_TIMEOUT.search(p.op.error or ""))
 
 
 def skipped_group_summary(skipped: list[int], waiter: Position, positions: dict[int, Position],
