@@ -545,3 +545,19 @@ def test_only_a_calls_first_size_from_its_line_is_written_before_it_runs(tmp_pat
         tracer.close()
     assert [first["shapes"] for first in firsts] == [[[2]], [[3]], [[4]]]
     assert [first["id"] for first in firsts] == [1, 3, 7]
+
+
+def _recurse(depth: int) -> None:
+    if depth == 0:
+        raise ValueError("bottom")  # line: recursion bottom
+    _recurse(depth - 1)
+
+
+def test_an_errors_callers_keep_the_outermost_and_innermost_frames_of_a_deep_recursion():
+    from helpers.trace.callsites import CALLERS_KEPT, traceback_callers
+
+    with pytest.raises(ValueError) as info:
+        _recurse(200)  # line: recursion top
+    callers = traceback_callers(info.value.__traceback__)
+    assert len(callers) == CALLERS_KEPT
+    assert (callers[0][1], callers[-1][1]) == (_line("recursion top"), _line("recursion bottom"))

@@ -118,7 +118,11 @@ def traceback_callers(tb: Any) -> list[list[Any]]:
             filename = tb.tb_frame.f_code.co_filename
             callers.append([filename, tb.tb_lineno, label(filename, tb.tb_lineno)])
         tb = tb.tb_next
-    return callers
+    half = CALLERS_KEPT // 2  # a deep recursion's: its outermost and innermost frames
+    return callers if len(callers) <= CALLERS_KEPT else callers[:half] + callers[-half:]
+
+
+CALLERS_KEPT = 32  # user frames an exit record keeps
 
 
 ERROR_CHARS = 800  # an error's text kept in a record
