@@ -280,6 +280,26 @@ def test_a_ddp_model_run_on_the_main_process_alone_is_named_with_the_caller_in_t
     leftovers.check()
 
 
+def _gather_each_of_its_share_of_a_list():
+    import torch
+    import torch.distributed as dist
+
+    items = ["a", "bb", "ccc", "dddd", "eeeee"]  # 3 for rank 0, 2 for rank 1
+    for item in items[dist.get_rank()::dist.get_world_size()]:  # line: share loop
+        dist.all_reduce(torch.tensor([float(len(item))]))  # line: share call
+
+
+def test_a_rank_whose_loop_ran_out_first_is_named_with_the_loop_and_the_uneven_loop_cure(leftovers):
+    # rank 1 finished after its 2 items; rank 0 waits in its 3rd call of the same line
+    found = _failed_run(_gather_each_of_its_share_of_a_list)
+    assert (found.kind, found.ranks) == ("rank-exited", [1]), found.summary
+    loop, call = f"{HERE}:{_line('share loop')}", f"{HERE}:{_line('share call')}"
+    assert found.summary.endswith(f"The loop at {loop} ran out first on rank 1: its last collective was #2 "
+                                  f"at {call}, the call the others still wait in as #3."), found.summary
+    assert found.fix.startswith(wording.UNEVEN_LOOP_CURE)
+    leftovers.check()
+
+
 def _all_to_all_with_splits_of_its_own():
     import torch
     import torch.distributed as dist

@@ -15,6 +15,7 @@ import re
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field, fields, replace
+from pathlib import Path
 from typing import Any
 
 from helpers import report
@@ -509,7 +510,12 @@ def _classify(positions: dict[int, Position], histories: dict[int, dict], views:
             return "collective-mismatch", extra, summary, wording.MODEL_ON_ONE_RANK_CURE
         return "collective-mismatch", extra, summary
     if exited:
-        return "rank-exited", exited, wording.exited_summary(exited, positions)
+        summary = wording.exited_summary(exited, positions)
+        loop = _loop_ran_longer(exited, positions, histories)
+        if loop is not None:
+            return "rank-exited", exited, summary + wording.loop_ran_longer(loop, exited, positions), \
+                wording.UNEVEN_LOOP_CURE
+        return "rank-exited", exited, summary
     crossed = _crossed_p2p(positions)
     if crossed:
         return "collective-mismatch", crossed, wording.crossed_p2p_summary(crossed, positions)
@@ -753,8 +759,9 @@ def _odd_ones_out(groups: dict[tuple, list[int]], present: dict[int, Op], histor
     root = _common_root(present)
     if root in present and all(wording.is_object_list(op) for op in present.values()):
         return [r for r in everyone if present[r].signature() != present[root].signature()]
-    now = {rank: pos for rank, pos in (positions or {}).items()
-           if pos.seq == key[1] and pos.op is not None and pos.op.pg == key[0]}
+    now = {rank: pos for rank, pos in (positions or {}).items()  # in it now, at its call's line (not
+           if pos.seq == key[1] and pos.op is not None and pos.op.pg == key[0]  # raised from another)
+           and rank in present and pos.where == present[rank].where}
     conditional = [r for r in everyone if rank_conditional(present[r].file, present[r].line)
                    or (r in now and rank_branch(now[r]) is not None)]
     if conditional and len(conditional) < len(everyone):
@@ -821,6 +828,24 @@ def _issued_from_cpp(pos: Position) -> bool:
     """Is the rank in (or did it fail in) a collective no call the tracer saw issued (DDP's, from
     C++)? A position takes its op from the Flight Recorder only then."""
     return pos.op is not None and pos.op.source == "flight-recorder"
+
+
+def _loop_ran_longer(exited: list[int], positions: dict[int, Position], histories: dict[int, dict]):
+    """The loop (its header's 'file:line') the waiting ranks are still in, when every culprit
+    finished cleanly and its last collective was the very call, inside that loop, that they wait
+    in now, a later number of it: the loop ran more times on them (more batches, a longer list:
+    accelerate's split_between_processes without padding). None otherwise."""
+    waiting = [p for p in positions.values() if p.rank not in exited and p.op is not None
+               and (p.state == "in-collective" or p.victim) and p.file and p.line]
+    if not waiting or any(positions[rank].state != "finished" for rank in exited):
+        return None
+    for rank in exited:
+        last = histories.get(rank, {}).get((waiting[0].op.pg, positions[rank].seq or 0))
+        if last is None or any(last.where != p.where or (p.seq or 0) <= (positions[rank].seq or 0)
+                               for p in waiting):
+            return None
+    header = enclosing_loop(waiting[0].file, waiting[0].line)
+    return None if header is None else f"{Path(waiting[0].file).name}:{header}"
 
 
 def _extra_collectives(positions: dict[int, Position], exited: list[int]) -> list[int]:

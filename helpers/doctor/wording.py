@@ -112,7 +112,8 @@ UNEVEN_LOOP_CURE = (
     "together (accelerator.set_trigger() / accelerator.check_trigger()). For inputs uneven on purpose: "
     "DDP's join (torch.distributed.algorithms.Join; accelerator.join_uneven_inputs([model]) for DDP on "
     "GPUs). If the iterations match, one rank skips a collective inside the loop: decide model.no_sync() "
-    "(gradient accumulation) on every rank alike.")
+    "(gradient accumulation) on every rank alike. A list split across the ranks: "
+    "accelerator.split_between_processes(items, apply_padding=True) gives every rank as many items.")
 
 INIT_CURE = (
     "init_process_group waits for every rank of the world (gloo until the group's timeout, 30 minutes "
@@ -456,6 +457,18 @@ def exited_summary(culprits: list[int], positions: dict[int, Position]) -> str:
         waits = ", ".join(f"rank {p.rank} in {_op_name(p.op)}{_at(p)}" for p in needing)
         text += f" while other ranks still needed {'it' if len(culprits) == 1 else 'them'} ({waits})"
     return text + "."
+
+
+def loop_ran_longer(loop: str, finished: list[int], positions: dict[int, Position]) -> str:
+    """' The loop at gen.py:8 ran out first on rank 1: its last collective was #2 at gen.py:10, the
+    call the others still wait in as #3.'"""
+    last = positions[finished[0]]
+    waiting = sorted({p.seq for p in positions.values() if p.rank not in finished and p.op and p.seq})
+    numbers = " and ".join(f"#{seq}" for seq in waiting)
+    where = next((p.where for p in positions.values() if p.rank not in finished and p.where), None)
+    return (f" The loop at {loop} {LOOP_RAN_OUT} on {ranks_text(finished).lower()}: "
+            f"{'its' if len(finished) == 1 else 'their'} last collective was #{last.seq} at {where}, "
+            f"the call the others still wait in as {numbers}.")
 
 
 def _ended_how(pos: Position, several: bool) -> str:
