@@ -761,7 +761,7 @@ def _odd_ones_out(groups: dict[tuple, list[int]], present: dict[int, Op], histor
         return [r for r in everyone if present[r].signature() != present[root].signature()]
     now = {rank: pos for rank, pos in (positions or {}).items()  # in it now, at its call's line (not
            if pos.seq == key[1] and pos.op is not None and pos.op.pg == key[0]  # raised from another)
-           and rank in present and pos.where == present[rank].where}
+           and rank in present and present[rank].where in (None, pos.where)}
     conditional = [r for r in everyone if rank_conditional(present[r].file, present[r].line)
                    or (r in now and rank_branch(now[r]) is not None)]
     if conditional and len(conditional) < len(everyone):
