@@ -300,6 +300,22 @@ def test_a_rank_whose_loop_ran_out_first_is_named_with_the_loop_and_the_uneven_l
     leftovers.check()
 
 
+def _async_all_reduce_on_the_main_process_alone():
+    import torch
+    import torch.distributed as dist
+
+    if dist.get_rank() == 0:
+        dist.all_reduce(torch.ones(2), async_op=True).wait()  # line: async main only
+
+
+def test_an_async_call_of_the_users_in_a_branch_gets_no_cure_for_ddps_own_collectives(leftovers):
+    # the records have the call (the Flight Recorder alone has DDP's): the wait is the user's own
+    found = _failed_run(_async_all_reduce_on_the_main_process_alone)
+    assert (found.kind, found.ranks) == ("collective-mismatch", [0]), found.summary
+    assert not found.fix.startswith(wording.MODEL_ON_ONE_RANK_CURE), found.fix
+    leftovers.check()
+
+
 def _all_to_all_with_splits_of_its_own():
     import torch
     import torch.distributed as dist
@@ -1362,6 +1378,21 @@ def test_a_connection_error_after_cpp_collectives_is_an_echo_though_the_final_du
     assert (found.verdict, found.kind, found.ranks) == ("crash", "rank-exited", [1]), found.summary
 
 
+def test_a_reset_connection_of_the_users_own_before_any_collective_stays_the_ranks_error():
+    # a download before the first collective ('Connection reset by peer' from requests), not a peer
+    # leaving init_process_group: rank 1 is the cause, rank 0 waits for it
+    views = {0: doctor.RankView(0), 1: doctor.RankView(1)}
+    views[0].apply({"ev": "op", "id": 1, "op": "all_reduce", "pg": "0", "seq": 1, "t": 1.0,
+                    "where": "train.py:9", "file": "train.py", "line": 9})
+    error = "ConnectionError: ('Connection aborted.', ConnectionResetError(104, 'Connection reset by peer'))"
+    views[1].apply({"ev": "exit", "status": "raised", "t": 2.0, "error": error,
+                    "where": "train.py:4", "file": "train.py", "line": 4})
+    views[1].ended, views[1].exit_code = True, 1
+    found = doctor.diagnose(views, 2, "failure", 0.1)
+    assert (found.kind, found.ranks) == ("rank-exited", [1]), found.summary
+    assert found.per_rank[1].op is None, found.per_rank[1]
+
+
 def test_a_wait_the_process_groups_timeout_ended_adds_the_timeout_to_the_missing_ranks_cure():
     # torch 2.13 gloo, InitProcessGroupKwargs(timeout=4 s): rank 1 still loads a checkpoint
     error = ("RuntimeError: [/__w/pytorch/pytorch/third_party/gloo/gloo/transport/tcp/unbound_buffer.cc:78] "
@@ -1414,7 +1445,7 @@ def evaluate(args, accelerator):
     if world > 1:
         dist.barrier()  # line 13: the world size, not the rank
     if args.local_rank in (-1, 0):
-        dist.barrier()  # line 15: local_rank
+        dist.barrier()  # line 15: an argument, not a name the script gave the rank
     if accelerator.ranking_enabled:
         dist.barrier()  # line 17: a word that merely starts with 'rank'
 
@@ -1438,15 +1469,18 @@ def setup(local_rank):
     num_ranks = dist.get_world_size()
     if device.type == "cuda" or num_ranks > 1:
         dist.barrier()  # line 38: a value built with the rank, and the world size, are not the rank
+    ddp = local_rank != -1
+    if ddp or local_rank != -1:
+        dist.barrier()  # line 41: 'launched distributed at all', alike on every rank
 """
 
 
 def test_a_branch_on_a_name_the_script_gave_the_rank_is_rank_conditional(tmp_path):
     script = tmp_path / "evaluate.py"
     script.write_text(_RANK_NAMED_OTHERWISE)
-    lines = (9, 11, 13, 15, 17, 22, 31, 38)
+    lines = (9, 11, 13, 15, 17, 22, 31, 38, 41)
     conditional = [line for line in lines if source.rank_conditional(str(script), line)]
-    assert conditional == [9, 11, 15, 31]
+    assert conditional == [9, 11, 31]  # 15: args.local_rank is no name the script gave the rank
 
 
 def test_rank_conditional_lines_are_found_in_the_source():

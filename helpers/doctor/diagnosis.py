@@ -278,8 +278,8 @@ def _callers(view: RankView) -> list[tuple[str, int, str]]:
     """The user's frames (file, line, where) a rank was in, outermost first: its error's traceback,
     else its last stack."""
     recorded = (view.exit or {}).get("callers")
-    if recorded:
-        return [(file, line, where) for file, line, where in recorded]
+    if isinstance(recorded, list) and recorded:
+        return [tuple(caller) for caller in recorded if isinstance(caller, list) and len(caller) == 3]
     stack = (view.state or {}).get("stack") or faulthandler_stack(view.stack_text)
     return [(frame["file"], frame["line"], frame["where"]) for frame in stack if frame.get("user")]
 
@@ -388,7 +388,8 @@ def _failed_inside(view: RankView, error: str | None) -> Op | None:
     pending = [e for e in entries if not e.get("retired")]
     posted = _posted_p2p(view)  # in the wait() of one, mostly
     if not entries and not posted and not _collectives(view) and not view.last_seq():
-        if _PEER_GONE.search(error):  # still connecting in init_process_group as a peer left
+        if _PEER_GONE.search(error) and _GROUP_ERROR.search(error) and not _init_done(view):  # still
+            # connecting in init_process_group as a peer left (not a download's reset connection)
             return Op(op=INIT_OP, seq=0, pg="0", error=error, ok=False, **_exit_site(view))
         return None  # before any collective: init_process_group's own connections, its own error
     if pending or not posted:
@@ -399,6 +400,14 @@ def _failed_inside(view: RankView, error: str | None) -> Op | None:
     op.where, op.file, op.line = _exit_site(view).values()
     op.error, op.ok = error, False
     return op
+
+
+_GROUP_ERROR = re.compile(r"gloo|nccl|connectFullMesh|ProcessGroup", re.IGNORECASE)  # the backend's own
+
+
+def _init_done(view: RankView) -> bool:
+    """Did the rank's recorded init_process_group return?"""
+    return any(op.op == INIT_OP and op.end is not None and op.ok is not False for op in view.python_ops())
 
 
 def _exit_site(view: RankView) -> dict[str, Any]:
@@ -498,7 +507,7 @@ def _classify(positions: dict[int, Position], histories: dict[int, dict], views:
     if divergence is None:
         divergence = _current_divergence(positions)
     if divergence is not None:
-        return _divergence_kind(divergence, positions, histories)
+        return _divergence_kind(divergence, positions, histories, views)
     unpaired = _unpaired_own_splits(positions)
     if unpaired:
         return "shape-mismatch", *unpaired, wording.SPLIT_CURE
@@ -506,7 +515,7 @@ def _classify(positions: dict[int, Position], histories: dict[int, dict], views:
     extra = _extra_collectives(positions, exited)
     if extra:
         summary = wording.extra_collective_summary(extra, positions)
-        if any(_issued_from_cpp(positions[rank]) for rank in extra):
+        if any(_issued_from_cpp(positions[rank], views.get(rank)) for rank in extra):
             return "collective-mismatch", extra, summary, wording.MODEL_ON_ONE_RANK_CURE
         return "collective-mismatch", extra, summary
     if exited:
@@ -593,7 +602,7 @@ def _source(history: dict) -> str:
     return next(iter(history.values())).source if history else "python"
 
 
-def _divergence_kind(divergence, positions, histories):
+def _divergence_kind(divergence, positions, histories, views):
     key, groups, present = divergence
     ops = {sig[0] for sig in groups}
     pairs = split_mismatch(present) if len(groups) == 1 else []
@@ -602,7 +611,7 @@ def _divergence_kind(divergence, positions, histories):
         summary = wording.split_summary(key, present, pairs, culprits)
         return "shape-mismatch", culprits, summary, wording.SPLIT_CURE
     culprits = _odd_ones_out(groups, present, histories, key, positions)
-    repeated = _repeated_call(present, histories, key)
+    repeated = _repeated_call(present, histories, key, positions)
     if repeated is not None:
         culprits, counts, call = repeated
         summary = wording.repeated_call_summary(key, present, counts, call, culprits)
@@ -619,12 +628,14 @@ def _divergence_kind(divergence, positions, histories):
     summary = wording.divergence_summary(kind, key, present, culprits, positions)
     if kind == "collective-mismatch" and wording.LOOP_RAN_OUT in summary:  # a loop ran out first
         return kind, culprits, summary, wording.UNEVEN_LOOP_CURE
-    if kind == "collective-mismatch" and any(_cpp_call_in_rank_branch(positions[r], key) for r in culprits):
+    if kind == "collective-mismatch" and any(_cpp_call_in_rank_branch(positions[r], key, views.get(r))
+                                             for r in culprits if r in positions):
         return kind, culprits, summary, wording.MODEL_ON_ONE_RANK_CURE
     return kind, culprits, summary
 
 
-def _repeated_call(present: dict[int, Op], histories: dict[int, dict], key: tuple[str, int]):
+def _repeated_call(present: dict[int, Op], histories: dict[int, dict], key: tuple[str, int],
+                   positions: dict[int, Position]):
     """Some ranks issue the call they issued last again (the same op, shapes and line, not in a loop
     of the user's), the others a different one after it, neither in a branch on the rank: the line
     issued more collectives on the first (one per item of a dict or list whose keys or length differ
@@ -641,11 +652,24 @@ def _repeated_call(present: dict[int, Op], histories: dict[int, dict], key: tupl
     if call is None or not moved_on or any(not _same_call(rows[rank][1], call)
                                            or present[rank].where == call.where for rank in moved_on):
         return None  # the others did not issue that call just before, or issue it again too
-    if enclosing_loop(call.file, call.line) is not None or any(
+    if _issues_one_per_call(call) or _in_a_loop(call, positions) or any(
             rank_conditional(op.file, op.line) for op in present.values()):
-        return None  # the user's loop or branch on the rank: what the calls' lines tell is the story
+        return None  # the user's loop (around the call, or a caller) or branch on the rank: their story
     counts = {rank: row[0] for rank, row in rows.items()}
     return (moved_on if len(again) * 2 > len(present) else again), counts, call
+
+
+def _issues_one_per_call(call: Op) -> bool:
+    """Does the call's line call the collective itself (``dist.all_reduce(t)``), one per call? Then
+    more of them in a row means the line ran more times: a loop, here or in a caller."""
+    text = source_line({"file": call.file, "line": call.line})
+    return f"{canonical_op(call.op)}(" in text or f"{call.op}(" in text
+
+
+def _in_a_loop(call: Op, positions: dict[int, Position]) -> bool:
+    """Is the call's line, or a line that led a rank to it, inside a loop of the user's?"""
+    callers = [(file, line) for pos in positions.values() for file, line, _where in pos.callers]
+    return any(enclosing_loop(file, line) is not None for file, line in [(call.file, call.line), *callers])
 
 
 def _calls_in_a_row(history: dict, group: str, seq: int, now: Op) -> tuple[int, Op, bool] | None:
@@ -818,16 +842,20 @@ def _exited_culprits(positions: dict[int, Position]) -> list[int]:
     return sorted(outside or culprits or _own_errors(positions))
 
 
-def _cpp_call_in_rank_branch(pos: Position, key: tuple[str, int]) -> bool:
+def _cpp_call_in_rank_branch(pos: Position, key: tuple[str, int], view: RankView | None) -> bool:
     """Is the rank in collective ``key``, issued from C++ (DDP's), on a path through a branch on the
     rank (a DDP model's forward under ``if accelerator.is_main_process:``)?"""
-    return (_issued_from_cpp(pos) and (pos.op.pg, pos.seq) == key) and rank_branch(pos) is not None
+    return (_issued_from_cpp(pos, view) and (pos.op.pg, pos.seq) == key) and rank_branch(pos) is not None
 
 
-def _issued_from_cpp(pos: Position) -> bool:
+def _issued_from_cpp(pos: Position, view: RankView | None) -> bool:
     """Is the rank in (or did it fail in) a collective no call the tracer saw issued (DDP's, from
-    C++)? A position takes its op from the Flight Recorder only then."""
-    return pos.op is not None and pos.op.source == "flight-recorder"
+    C++): the Flight Recorder has it, the rank's Python records no call with its number (an async
+    call, or any blocking call on NCCL, returns before its collective ends: the records have it)?"""
+    op = pos.op
+    if view is None or op is None or op.source != "flight-recorder":
+        return False
+    return not any(call.pg == op.pg and call.seq == op.seq for call in view.python_ops())
 
 
 def _loop_ran_longer(exited: list[int], positions: dict[int, Position], histories: dict[int, dict]):

@@ -13,10 +13,8 @@ from typing import Any
 
 from helpers.sites import is_user_code
 
-# the rank, as scripts name it: accelerate's properties, torch's get_rank, an environment variable,
-# any name with 'rank' as a word or a part of one (local_rank, args.local_rank, global_rank, rank_id)
 _RANK_TEST = re.compile(r"is_main_process|is_local_main_process|is_last_process|process_index|"
-                        r"(?:\b|_)rank(?:\b|_)", re.IGNORECASE)
+                        r"local_process_index|\brank\b|get_rank|RANK")
 _trees: dict[str, Any] = {}
 _rank_names_of: dict[str, dict] = {}  # a file's names of the rank, by scope (``_rank_names``)
 
@@ -38,35 +36,58 @@ def rank_conditional(filename: str | None, line: int | None) -> bool:
     parsed = _tree(filename)
     if parsed is None or line is None:
         return False
-    tree, source = parsed
+    tree = parsed[0]
     if filename not in _rank_names_of:
-        _rank_names_of[filename] = _rank_names(tree, source)
+        _rank_names_of[filename] = _rank_names(tree)
     derived = _rank_names_of[filename]
     for node in ast.walk(tree):
         if isinstance(node, ast.If) and node.lineno < line <= (node.end_lineno or 0):
-            test = ast.get_source_segment(source, node.test) or ""
-            if _RANK_TEST.search(test) or _names_in(node.test) & _visible(derived, node.lineno):
+            if _against_minus_one(node.test):  # 'if local_rank != -1:': distributed or not, on every rank
+                continue
+            if _RANK_TEST.search(_text(node.test)) or _names_in(node.test) & _visible(derived, node.lineno):
                 return True
     return False
+
+
+def _text(node: ast.AST) -> str:
+    """An expression's source, rebuilt (``ast.get_source_segment`` splits the whole file per call)."""
+    try:
+        return ast.unparse(node)
+    except (RecursionError, ValueError):
+        return ""
+
+
+def _against_minus_one(test: ast.AST) -> bool:
+    """Is ``test`` a comparison with -1 (``local_rank != -1``): the old 'launched distributed at all'
+    check, alike on every rank?"""
+    return isinstance(test, ast.Compare) and any(
+        isinstance(side, ast.UnaryOp) and isinstance(side.op, ast.USub)
+        and isinstance(side.operand, ast.Constant) and side.operand.value == 1 for side in test.comparators)
 
 
 Scope = tuple[int, int] | None  # a function's first and last line; None: the module (and attributes)
 
 
-def _rank_names(tree: ast.AST, source: str) -> dict[Scope, set[str]]:
+def _rank_names(tree: ast.AST) -> dict[Scope, set[str]]:
     """Names the script gives the rank or a number or truth it computes from it (``r =
     dist.get_rank()``, ``main = accelerator.is_main_process``, ``first = r == 0``;
     ``_from_rank``), by the function they are set in;
     an attribute (``self.me = ...``) by its name, for the whole file: a test on one of them is a
     test on the rank. Of ``rank, world = get_rank(), get_world_size()`` only the name whose own
     value says so."""
-    assignments = list(_assignments(tree, None))
     names: dict[Scope, set[str]] = {None: set()}
+    try:
+        assignments = list(_assignments(tree, None))
+    except RecursionError:  # nested past the interpreter's limit: no names of the rank told
+        return names
     grown = True
     while grown:  # a name from a name from the rank, to any depth
         grown = False
         for scope, target, value in assignments:
-            if not _from_rank(value, _visible(names, value.lineno), source):
+            try:
+                if not _from_rank(value, _visible(names, value.lineno)):
+                    continue
+            except RecursionError:  # an expression too long to walk (generated code)
                 continue
             for name, where in _targets(target, scope):
                 if name not in names.setdefault(where, set()):
@@ -75,22 +96,25 @@ def _rank_names(tree: ast.AST, source: str) -> dict[Scope, set[str]]:
     return names
 
 
-def _from_rank(node: ast.AST, names: set[str], source: str) -> bool:
+def _from_rank(node: ast.AST, names: set[str]) -> bool:
     """Is an assigned value the rank, or a number or truth computed from it (``r == 0``,
     ``int(os.environ["LOCAL_RANK"])``, ``not is_main``)? Not a value merely built with it
-    (``torch.device("cuda", local_rank)``, an f-string): a test on that is not a test on the rank."""
+    (``torch.device("cuda", local_rank)``, an f-string), nor a comparison with -1 (``local_rank !=
+    -1``, alike on every rank): a test on those is not a test on the rank."""
     if isinstance(node, ast.Name):
         return node.id in names or bool(_RANK_TEST.search(node.id))
     if isinstance(node, (ast.Attribute, ast.Subscript)):
         named = isinstance(node, ast.Attribute) and node.attr in names
-        return named or bool(_RANK_TEST.search(ast.get_source_segment(source, node) or ""))
+        return named or bool(_RANK_TEST.search(_text(node)))
     if isinstance(node, ast.Call):
-        func = ast.get_source_segment(source, node.func) or ""
+        func = _text(node.func)
         return bool(_RANK_TEST.search(func)) or (
-            func in ("int", "bool") and any(_from_rank(arg, names, source) for arg in node.args))
-    if isinstance(node, (ast.Compare, ast.BoolOp, ast.UnaryOp, ast.BinOp, ast.IfExp)):
-        return any(_from_rank(part, names, source) for part in ast.iter_child_nodes(node)
-                   if isinstance(part, ast.expr))
+            func in ("int", "bool") and any(_from_rank(arg, names) for arg in node.args))
+    if isinstance(node, ast.Compare) and _against_minus_one(node):
+        return False
+    if isinstance(node, (ast.Compare, ast.BoolOp, ast.UnaryOp, ast.BinOp)):
+        parts = [part for part in ast.iter_child_nodes(node) if isinstance(part, ast.expr)]
+        return any(_from_rank(part, names) for part in parts)
     return False
 
 

@@ -465,7 +465,8 @@ def loop_ran_longer(loop: str, finished: list[int], positions: dict[int, Positio
     last = positions[finished[0]]
     waiting = sorted({p.seq for p in positions.values() if p.rank not in finished and p.op and p.seq})
     numbers = " and ".join(f"#{seq}" for seq in waiting)
-    where = next((p.where for p in positions.values() if p.rank not in finished and p.where), None)
+    where = next((p.where for p in positions.values() if p.rank not in finished and p.where and p.op
+                  and (p.state == "in-collective" or p.victim)), None)
     return (f" The loop at {loop} {LOOP_RAN_OUT} on {ranks_text(finished).lower()}: "
             f"{'its' if len(finished) == 1 else 'their'} last collective was #{last.seq} at {where}, "
             f"the call the others still wait in as {numbers}.")
