@@ -30,6 +30,7 @@ from helpers.doctor.source import (
     source_line,
 )
 from helpers.rundir import describe_exit
+from helpers.sites import INSTALLED
 
 EXIT_CODES = {"ok": 0, "hang": 3, "crash": 4, "mismatch": 5}
 KINDS = ("ok", "collective-mismatch", "shape-mismatch", "rank-missing", "rank-exited", "unknown")
@@ -279,9 +280,13 @@ def _callers(view: RankView) -> list[tuple[str, int, str]]:
     else its last stack."""
     recorded = (view.exit or {}).get("callers")
     if isinstance(recorded, list) and recorded:
-        return [tuple(caller) for caller in recorded if isinstance(caller, list) and len(caller) == 3]
-    stack = (view.state or {}).get("stack") or faulthandler_stack(view.stack_text)
-    return [(frame["file"], frame["line"], frame["where"]) for frame in stack if frame.get("user")]
+        callers = [tuple(caller) for caller in recorded if isinstance(caller, list) and len(caller) == 3]
+    else:
+        stack = (view.state or {}).get("stack") or faulthandler_stack(view.stack_text)
+        callers = [(frame["file"], frame["line"], frame["where"]) for frame in stack if frame.get("user")]
+    # the user's own files: an installed package counts as the user's code for a call site, but its
+    # loops and branches (a trainer's, a test runner's) are not the user's story
+    return [caller for caller in callers if not any(part in str(caller[0]) for part in INSTALLED)]
 
 
 def rank_branch(pos: Position) -> str | None:
