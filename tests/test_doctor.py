@@ -300,22 +300,6 @@ def test_a_rank_whose_loop_ran_out_first_is_named_with_the_loop_and_the_uneven_l
     leftovers.check()
 
 
-def _async_all_reduce_on_the_main_process_alone():
-    import torch
-    import torch.distributed as dist
-
-    if dist.get_rank() == 0:
-        dist.all_reduce(torch.ones(2), async_op=True).wait()  # line: async main only
-
-
-def test_an_async_call_of_the_users_in_a_branch_gets_no_cure_for_ddps_own_collectives(leftovers):
-    # the records have the call (the Flight Recorder alone has DDP's): the wait is the user's own
-    found = _failed_run(_async_all_reduce_on_the_main_process_alone)
-    assert (found.kind, found.ranks) == ("collective-mismatch", [0]), found.summary
-    assert not found.fix.startswith(wording.MODEL_ON_ONE_RANK_CURE), found.fix
-    leftovers.check()
-
-
 def _all_to_all_with_splits_of_its_own():
     import torch
     import torch.distributed as dist
