@@ -666,6 +666,65 @@ def test_a_loop_is_said_to_be_left_only_by_a_call_past_its_end_in_its_function(t
     assert loop_left(str(tmp_path / "missing.py"), 3, 6) is None
 
 
+def _skips_a_turn_on_a_bad_loss():
+    import math
+
+    import torch
+    import torch.distributed as dist
+
+    for step in range(3):  # line: skip loop
+        loss = float("nan") if dist.get_rank() == 1 and step == 1 else 1.0  # one rank's batch goes bad
+        if math.isnan(loss):
+            continue  # line: skip
+        dist.all_reduce(torch.tensor([loss]))  # line: skipped call
+    dist.barrier()
+
+
+def test_a_continue_that_skips_a_turn_on_one_rank_is_named_with_its_condition_and_cure(leftovers):
+    found = _hung_run(_skips_a_turn_on_a_bad_loss)
+    assert (found.kind, found.ranks) == ("collective-mismatch", [1]), found.text()
+    assert found.summary.endswith(
+        f"In that loop, the continue at {HERE}:{_line('skip')} (if math.isnan(loss)) skips the rest of "
+        "its turn: taken on some ranks alone, it leaves them fewer collectives than the others."), \
+        found.summary
+    assert f"left the loop at {HERE}:{_line('skip loop')}" in found.summary, found.summary
+    assert found.fix.startswith(wording.LOOP_EXIT_CURE + " " + wording.UNEVEN_LOOP_CURE), found.fix
+    leftovers.check()
+
+
+def test_a_loops_exits_are_its_own_continues_before_the_call_and_every_break_and_return(tmp_path):
+    from helpers.doctor.source import loop_exits
+
+    script = tmp_path / "train.py"
+    script.write_text("def train(loader):\n"  # 1
+                      "    for batch in loader:\n"  # 2
+                      "        if batch is None:\n"  # 3
+                      "            continue\n"  # 4
+                      "        else:\n"  # 5
+                      "            if len(batch) > 9:\n"  # 6
+                      "                break\n"  # 7
+                      "        for part in batch:\n"  # 8
+                      "            break\n"  # 9: the inner loop's
+                      "        def helper():\n"  # 10
+                      "            return 1\n"  # 11: the function's
+                      "        try:\n"  # 12
+                      "            step(batch)\n"  # 13: the call
+                      "        except ValueError:\n"  # 14
+                      "            continue\n"  # 15: after the call
+                      f"        if batch == {'x' * 80!r}:\n"  # 16: a long test, cut
+                      "            return\n"  # 17
+                      "    barrier()\n")
+    assert loop_exits(str(script), 2, 13) == [
+        ("continue", 4, "batch is None"), ("break", 7, "len(batch) > 9"),
+        ("return", 17, "batch == " + repr("x" * 80)[:48] + "...")]
+    assert loop_exits(str(script), 2, 18) == [
+        ("continue", 4, "batch is None"), ("break", 7, "len(batch) > 9"),
+        ("continue", 15, "except ValueError"), ("return", 17, "batch == " + repr("x" * 80)[:48] + "...")]
+    assert loop_exits(str(script), 8, 9) == [("break", 9, "")]
+    assert loop_exits(str(script), 3, 13) == []  # no loop there
+    assert loop_exits(str(tmp_path / "missing.py"), 2, 13) == []
+
+
 def _display(found) -> None:
     html = found._repr_html_()
     assert "rank-missing" in html and "<table>" in html and found.summary.split(";")[0][:40] in html

@@ -527,8 +527,8 @@ def _classify(positions: dict[int, Position], histories: dict[int, dict], views:
         summary = wording.exited_summary(exited, positions)
         loop = _loop_ran_longer(exited, positions, histories)
         if loop is not None:
-            return "rank-exited", exited, summary + wording.loop_ran_longer(loop, exited, positions), \
-                wording.UNEVEN_LOOP_CURE
+            summary += wording.loop_ran_longer(loop, exited, positions)
+            return "rank-exited", exited, summary, *_loop_cures(summary)
         return "rank-exited", exited, summary
     crossed = _crossed_p2p(positions)
     if crossed:
@@ -603,6 +603,13 @@ def _grouped(present: dict[int, Op]) -> dict[tuple, list[int]]:
     return groups
 
 
+def _loop_cures(summary: str) -> list[str]:
+    """The cures for a loop that ran out first on some ranks: deciding its skips and exits together
+    first when the summary names one (``wording.loop_exits_text``)."""
+    exits = [wording.LOOP_EXIT_CURE] if wording.LOOP_EXITS in summary else []
+    return [*exits, wording.UNEVEN_LOOP_CURE]
+
+
 def _source(history: dict) -> str:
     return next(iter(history.values())).source if history else "python"
 
@@ -628,11 +635,11 @@ def _divergence_kind(divergence, positions, histories, views):
         kind = "collective-mismatch"
         summary = wording.divergence_summary(kind, key, present, culprits, positions)
         if wording.LOOP_RAN_OUT in summary:
-            return kind, culprits, summary, wording.UNEVEN_LOOP_CURE
+            return kind, culprits, summary, *_loop_cures(summary)
         return kind, culprits, wording.different_lines_summary(key, present)
     summary = wording.divergence_summary(kind, key, present, culprits, positions)
     if kind == "collective-mismatch" and wording.LOOP_RAN_OUT in summary:  # a loop ran out first
-        return kind, culprits, summary, wording.UNEVEN_LOOP_CURE
+        return kind, culprits, summary, *_loop_cures(summary)
     if kind == "collective-mismatch" and any(_cpp_call_in_rank_branch(positions[r], key, views.get(r))
                                              for r in culprits if r in positions):
         return kind, culprits, summary, wording.MODEL_ON_ONE_RANK_CURE

@@ -200,6 +200,53 @@ def loop_left(filename: str | None, inside: int | None, after: int | None) -> in
     return loop.lineno if scope is None or after <= (scope.end_lineno or 0) else None
 
 
+_NESTED = (ast.For, ast.AsyncFor, ast.While, ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda, ast.ClassDef)
+_EXIT_TEST_CHARS = 60  # a condition's text, cut after this many characters
+
+
+def loop_exits(filename: str | None, loop_line: int | None,
+               call_line: int | None) -> list[tuple[str, int, str]]:
+    """What can end a turn of the loop whose header is at ``loop_line`` before the call at
+    ``call_line``, as ``(keyword, line, condition)``: each ``continue`` above that line, each
+    ``break`` and ``return`` in the loop (nested loops and functions have their own), with the test
+    of the innermost ``if`` around it ('' when none; ``not (...)`` in its ``else``). Taken on some
+    ranks alone (a NaN loss, an empty batch), each leaves them fewer collectives than the others."""
+    parsed = _tree(filename)
+    if parsed is None or loop_line is None or call_line is None:
+        return []
+    loops = [node for node in ast.walk(parsed[0])
+             if isinstance(node, (ast.For, ast.AsyncFor, ast.While)) and node.lineno == loop_line]
+    if not loops:
+        return []
+    found: list[tuple[str, int, str]] = []
+    for statement in loops[0].body:
+        _exits_in(statement, "", call_line, found)
+    return sorted(found, key=lambda exit_: exit_[1])
+
+
+def _exits_in(node: ast.AST, test: str, call_line: int, found: list[tuple[str, int, str]]) -> None:
+    if isinstance(node, _NESTED):
+        return
+    ends = isinstance(node, (ast.Break, ast.Return))
+    if ends or (isinstance(node, ast.Continue) and node.lineno < call_line):
+        keyword = {ast.Break: "break", ast.Return: "return", ast.Continue: "continue"}[type(node)]
+        found.append((keyword, node.lineno, test))
+        return
+    if isinstance(node, ast.If):
+        text = _text(node.test)
+        text = text if len(text) <= _EXIT_TEST_CHARS else text[:_EXIT_TEST_CHARS - 3] + "..."
+        for child in node.body:
+            _exits_in(child, text, call_line, found)
+        for child in node.orelse:
+            _exits_in(child, f"not ({text})" if text else "", call_line, found)
+        return
+    if isinstance(node, ast.ExceptHandler):  # taken when the body raised
+        test = f"except {_text(node.type)}" if node.type is not None else "except"
+    for child in ast.iter_child_nodes(node):
+        if isinstance(child, (ast.stmt, ast.ExceptHandler)):
+            _exits_in(child, test, call_line, found)
+
+
 def source_line(frame: dict[str, Any]) -> str:
     """The text of a stack frame's line in the user's file ('' when unreadable)."""
     parsed = _tree(frame.get("file"))

@@ -13,7 +13,7 @@ from typing import Any
 from helpers import params
 from helpers.collectives import OBJECT_LISTS, ROOTS, canonical_op
 from helpers.doctor.records import Op, Position
-from helpers.doctor.source import enclosing_loop, loop_left, source_line
+from helpers.doctor.source import enclosing_loop, loop_exits, loop_left, source_line
 from helpers.trace.callsites import DATALOADER_FILE, DATALOADER_READ
 
 NB_REPRO, NB_EARLY_STOP, NB_MEMORY = params.NB_REPRO, params.NB_EARLY_STOP, params.NB_MEMORY
@@ -92,6 +92,14 @@ CROSSED_P2P_CURE = (
     "first), or post both with dist.isend / dist.irecv (or dist.batch_isend_irecv) and then wait on them.")
 
 LOOP_RAN_OUT = "ran out first"  # in a summary: some ranks left a loop the others are still in
+LOOP_EXITS = "In that loop, "  # in a summary: the continue, break or return that can end a turn early
+LOOP_EXIT_CURE = (
+    "Decide each skip and early exit of the loop on every rank together: reduce its condition across "
+    "the ranks first, e.g. bad = accelerator.reduce(torch.tensor([float(condition)], "
+    "device=accelerator.device), 'sum').item() > 0, and skip (or leave) on every rank when any rank "
+    "needs to; to stop early, accelerator.set_trigger() / accelerator.check_trigger() does this.")
+_EXIT_EFFECTS = {"continue": "skips the rest of its turn", "break": "ends the loop",
+                 "return": "leaves the function"}
 MODEL_ON_ONE_RANK_CURE = (
     "The collective is none of your calls: DDP issues its own, a broadcast of the model's buffers "
     "(BatchNorm's statistics) in the first forward after a training step, and the gradients' "
@@ -409,12 +417,29 @@ def _left_loop(sites: dict[int, tuple[str, int] | None], leavers: list[int], sta
     several = len(leavers) > 1
     stay = "is" if len(stayers) == 1 and not stayers_text.startswith("the") else "are"
     those = "those ranks" if several else "that rank"
+    header = headers.pop()
     return (f" {ranks_text(leavers)} {'have' if several else 'has'} left the loop at "
-            f"{Path(file).name}:{headers.pop()} that {stayers_text.replace('Rank', 'rank')} {stay} still "
+            f"{Path(file).name}:{header} that {stayers_text.replace('Rank', 'rank')} {stay} still "
             f"in: {'their loops' if several else 'its loop'} {LOOP_RAN_OUT} (a DataLoader with fewer "
             f"batches on {those}, as with accelerate's even_batches=False, a break or a condition "
             f"that holds on {those} alone, or a collective {those} skipped inside it, as DDP's no_sync() "
-            f"does).")
+            f"does).{loop_exits_text(file, header, line)}")
+
+
+def loop_exits_text(file: str, header: int, call_line: int) -> str:
+    """' In that loop, the continue at train.py:13 (if torch.isnan(loss)) skips the rest of its
+    turn: ...' for the statements that can end a turn of the loop before the call at
+    ``call_line`` (``source.loop_exits``); '' when there are none."""
+    exits = loop_exits(file, header, call_line)
+    if not exits:
+        return ""
+    name = Path(file).name
+    parts = [f"the {keyword} at {name}:{line}{f' (if {test})' if test else ''} {_EXIT_EFFECTS[keyword]}"
+             for keyword, line, test in exits[:3]]
+    more = f" (and {len(exits) - 3} more)" if len(exits) > 3 else ""
+    each = "each leaves" if len(exits) > 1 else "it leaves"
+    return (f" {LOOP_EXITS}{'; '.join(parts)}{more}: taken on some ranks alone, {each} them fewer "
+            f"collectives than the others.")
 
 
 def _site(op: Op, pos: Position | None) -> tuple[str, int] | None:
@@ -467,9 +492,13 @@ def loop_ran_longer(loop: str, finished: list[int], positions: dict[int, Positio
     numbers = " and ".join(f"#{seq}" for seq in waiting)
     where = next((p.where for p in positions.values() if p.rank not in finished and p.where and p.op
                   and (p.state == "in-collective" or p.victim)), None)
+    waiting_at = next((p for p in positions.values() if p.rank not in finished and p.where == where), None)
+    exits = ""
+    if waiting_at is not None and waiting_at.file and waiting_at.line and ":" in loop:
+        exits = loop_exits_text(waiting_at.file, int(loop.rsplit(":", 1)[1]), waiting_at.line)
     return (f" The loop at {loop} {LOOP_RAN_OUT} on {ranks_text(finished).lower()}: "
             f"{'its' if len(finished) == 1 else 'their'} last collective was #{last.seq} at {where}, "
-            f"the call the others still wait in as {numbers}.")
+            f"the call the others still wait in as {numbers}.{exits}")
 
 
 def _ended_how(pos: Position, several: bool) -> str:
