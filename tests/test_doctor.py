@@ -779,9 +779,10 @@ def test_a_collective_only_rank_zero_calls_is_its_extra_call_not_the_others_earl
     assert (found.kind, found.ranks) == ("collective-mismatch", [0]), found.text()
     assert found.per_rank[0].location == f"{HERE}:{_line('extra')}"
     extra = f"{HERE}:{_line('extra')}"
-    assert found.summary.startswith(f"Rank 0 called barrier at {extra} (collective #2) inside a "
-                                    "rank-dependent branch; ranks 1 and 2 never call it: they finished their "
-                                    "work after collective #1."), found.summary
+    branch = f"'if dist.get_rank() == 0:' at {HERE}:{_line('extra') - 1}"
+    assert found.summary.startswith(f"Rank 0 called barrier at {extra} (collective #2) inside the "
+                                    f"rank-dependent branch {branch}; ranks 1 and 2 never call it: they "
+                                    "finished their work after collective #1."), found.summary
     assert "out of rank-dependent branches" in found.fix
     leftovers.check()
 
@@ -1524,6 +1525,38 @@ def test_a_branch_on_a_name_the_script_gave_the_rank_is_rank_conditional(tmp_pat
     lines = (9, 11, 13, 15, 17, 22, 31, 38, 41)
     conditional = [line for line in lines if source.rank_conditional(str(script), line)]
     assert conditional == [9, 11, 31]  # 15: args.local_rank is no name the script gave the rank
+
+
+def test_the_branch_on_the_rank_around_a_line_is_the_innermost_with_its_test(tmp_path):
+    script = tmp_path / "evaluate.py"
+    script.write_text(_RANK_NAMED_OTHERWISE + "\n\ndef save(accelerator, flag):\n"  # 44
+                      "    if accelerator.is_main_process:\n"  # 45
+                      "        if flag:\n"  # 46
+                      "            dist.barrier()  # line 47: the rank's branch is the outer one\n"
+                      "    else:\n"  # 48
+                      "        dist.barrier()  # line 49: its else\n")
+    assert source.rank_condition(str(script), 9) == (8, "r == 1")
+    assert source.rank_condition(str(script), 31) == (30, "self.me == 0")
+    assert source.rank_condition(str(script), 47) == (45, "accelerator.is_main_process")
+    assert source.rank_condition(str(script), 49) == (45, "not (accelerator.is_main_process)")
+    assert source.rank_condition(str(script), 13) is None
+
+
+def test_a_rank_whose_own_call_is_in_a_branch_on_the_rank_is_named_with_that_branch(leftovers):
+    found = _hung_run(_main_only_barrier)
+    assert (found.kind, found.ranks) == ("collective-mismatch", [0]), found.text()
+    branch = f"{HERE}:{_line('main only') - 1}"
+    assert found.summary.endswith(f"Rank 0 took a different path from rank 1 (rank 0's call under 'if "
+                                  f"dist.get_rank() == 0:' at {branch})."), found.summary
+    leftovers.check()
+
+
+def _main_only_barrier():
+    import torch.distributed as dist
+
+    if dist.get_rank() == 0:
+        dist.barrier()  # line: main only
+    dist.all_reduce(__import__("torch").ones(1))
 
 
 def test_rank_conditional_lines_are_found_in_the_source():

@@ -33,20 +33,34 @@ def _tree(filename: str | None):
 
 def rank_conditional(filename: str | None, line: int | None) -> bool:
     """Is ``line`` inside an ``if`` whose test depends on the rank (is_main_process, rank == 0...)?"""
+    return rank_condition(filename, line) is not None
+
+
+def rank_condition(filename: str | None, line: int | None) -> tuple[int, str] | None:
+    """The innermost ``if`` around ``line`` whose test depends on the rank, as (its line, its test's
+    text, ``not (...)`` in its ``else``, cut after ``_EXIT_TEST_CHARS``); None when there is none."""
     parsed = _tree(filename)
     if parsed is None or line is None:
-        return False
+        return None
     tree = parsed[0]
     if filename not in _rank_names_of:
         _rank_names_of[filename] = _rank_names(tree)
     derived = _rank_names_of[filename]
+    found = None
     for node in ast.walk(tree):
         if isinstance(node, ast.If) and node.lineno < line <= (node.end_lineno or 0):
             if _against_minus_one(node.test):  # 'if local_rank != -1:': distributed or not, on every rank
                 continue
-            if _RANK_TEST.search(_text(node.test)) or _names_in(node.test) & _visible(derived, node.lineno):
-                return True
-    return False
+            text = _text(node.test)
+            if ((_RANK_TEST.search(text) or _names_in(node.test) & _visible(derived, node.lineno))
+                    and (found is None or node.lineno > found[0])):
+                in_else = bool(node.orelse) and line >= node.orelse[0].lineno
+                found = (node.lineno, _cut(f"not ({text})" if in_else else text))
+    return found
+
+
+def _cut(text: str) -> str:
+    return text if len(text) <= _EXIT_TEST_CHARS else text[:_EXIT_TEST_CHARS - 3] + "..."
 
 
 def _text(node: ast.AST) -> str:
@@ -233,8 +247,7 @@ def _exits_in(node: ast.AST, test: str, call_line: int, found: list[tuple[str, i
         found.append((keyword, node.lineno, test))
         return
     if isinstance(node, ast.If):
-        text = _text(node.test)
-        text = text if len(text) <= _EXIT_TEST_CHARS else text[:_EXIT_TEST_CHARS - 3] + "..."
+        text = _cut(_text(node.test))
         for child in node.body:
             _exits_in(child, text, call_line, found)
         for child in node.orelse:

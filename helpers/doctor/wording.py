@@ -13,7 +13,7 @@ from typing import Any
 from helpers import params
 from helpers.collectives import OBJECT_LISTS, ROOTS, canonical_op
 from helpers.doctor.records import Op, Position
-from helpers.doctor.source import enclosing_loop, loop_exits, loop_left, source_line
+from helpers.doctor.source import enclosing_loop, loop_exits, loop_left, rank_condition, source_line
 from helpers.trace.callsites import DATALOADER_FILE, DATALOADER_READ
 
 NB_REPRO, NB_EARLY_STOP, NB_MEMORY = params.NB_REPRO, params.NB_EARLY_STOP, params.NB_MEMORY
@@ -399,6 +399,10 @@ def _different_path(present: dict[int, Op], culprits: list[int], positions: dict
     branches = [f"rank {rank}'s call at {branch}" for rank in culprits if rank in positions
                 and positions[rank].op is not None and (branch := _branch_site(positions[rank]))]
     inside = f" ({', '.join(branches)}, inside a branch on the rank)" if branches else ""
+    if not branches:  # the call's own line in the branch: the branch's test
+        tests = [f"rank {rank}'s call under {test}" for rank in culprits if rank in positions
+                 and (test := _own_branch(positions[rank]))]
+        inside = f" ({'; '.join(tests)})" if tests else ""
     return f" {ranks_text(culprits)} took a different path from {_others_text(others)}{inside}."
 
 
@@ -519,6 +523,14 @@ def _branch_text(pos: Position) -> str:
     return f" (from its call at {branch})" if branch else ""
 
 
+def _own_branch(pos: Position) -> str:
+    """"'if accelerator.is_main_process:' at train.py:40": the branch on the rank around the
+    collective's own line ('' when there is none)."""
+    file, line = pos.file or (pos.op and pos.op.file), pos.line or (pos.op and pos.op.line)
+    found = rank_condition(file, line) if pos.op is not None else None
+    return f"'if {found[1]}:' at {Path(file).name}:{found[0]}" if found else ""
+
+
 def _branch_site(pos: Position) -> str | None:
     """Where a caller of the rank's collective sits in a branch on the rank, when that is not the
     collective's own line ('train.py:41', where ``evaluate(model)`` is called)."""
@@ -542,7 +554,11 @@ def extra_collective_summary(extra: list[int], positions: dict[int, Position]) -
     one = len(others) == 1
     last = max((positions[rank].seq or 0 for rank in others), default=0)
     text = "; ".join(calls)
-    text = (text[0].upper() + text[1:] + f" inside a rank-dependent branch; {ranks_text(others).lower()} "
+    own = {_own_branch(positions[rank]) for rank in extra}  # one branch around every call: named
+    branch = "a rank-dependent branch"
+    if len(own) == 1 and "" not in own:
+        branch = f"the rank-dependent branch {own.pop()}"
+    text = (text[0].upper() + text[1:] + f" inside {branch}; {ranks_text(others).lower()} "
             f"never call{'s' if one else ''} it: {'it' if one else 'they'} finished "
             f"{'its' if one else 'their'} work{f' after collective #{last}' if last else ''}.")
     return " ".join([text, *failures])
