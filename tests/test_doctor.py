@@ -692,6 +692,43 @@ def test_a_continue_that_skips_a_turn_on_one_rank_is_named_with_its_condition_an
     leftovers.check()
 
 
+def _sharded_model_evaluated_on_rank_zero_alone():
+    import torch
+    import torch.distributed as dist
+    from torch.distributed.fsdp import fully_shard
+
+    model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Linear(8, 1))
+    for layer in model:
+        fully_shard(layer)
+    fully_shard(model)
+    model(torch.randn(2, 8)).sum().backward()
+    if dist.get_rank() == 0:
+        with torch.no_grad():
+            model(torch.randn(2, 8))  # line: sharded eval
+    dist.barrier()
+
+
+def test_an_fsdp_model_run_on_one_rank_is_named_as_fsdps_all_gather_with_the_sharded_cure(leftovers):
+    found = _hung_run(_sharded_model_evaluated_on_rank_zero_alone)
+    assert (found.kind, found.ranks) == ("collective-mismatch", [0]), found.text()
+    assert (f"rank 0 in all_gather_into_tensor at {HERE}:{_line('sharded eval')}, issued by FSDP inside "
+            "forward(): the all-gather of its parameters; rank 1 in barrier") in found.summary, found.summary
+    assert found.fix.startswith(wording.SHARDED_MODEL_ON_ONE_RANK_CURE), found.fix
+    leftovers.check()
+
+
+def test_a_call_from_fsdps_hooks_is_told_by_its_stack_forward_or_backward():
+    fsdp = "/site-packages/torch/distributed/fsdp/_fully_shard/_fsdp_collectives.py"
+    user = {"file": "/work/train.py", "func": "<module>"}
+    forward = [user, {"file": fsdp, "func": "foreach_all_gather"}]
+    backward = [user, {"file": "/site-packages/torch/autograd/graph.py", "func": "_engine_run_backward"},
+                {"file": fsdp, "func": "foreach_reduce"}]
+    assert wording.fsdp_call(forward) == "issued by FSDP inside forward(): the all-gather of its parameters"
+    assert wording.fsdp_call(backward).startswith("issued by FSDP inside backward()")
+    assert wording.fsdp_call([user, {"file": "/site-packages/torch/distributed/distributed_c10d.py",
+                                     "func": "all_gather_into_tensor"}]) == ""
+
+
 def test_a_loops_exits_are_its_own_continues_before_the_call_and_every_break_and_return(tmp_path):
     from helpers.doctor.source import loop_exits
 

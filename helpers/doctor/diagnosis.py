@@ -442,7 +442,7 @@ def _current(view: RankView) -> Position:
         if pending_fr:
             seq = pending_fr[0]["collective_seq_id"]
         return Position(view.rank, "in-collective", op=op, seq=seq, where=op.where, file=op.file,
-                        line=op.line)
+                        line=op.line, detail=wording.fsdp_call(stack))
     pending = pending_fr[0] if pending_fr else None
     if pending is not None or view.pending_seq() is not None:
         op = fr_op(pending) if pending else Op(op="collective", seq=view.pending_seq())
@@ -520,6 +520,8 @@ def _classify(positions: dict[int, Position], histories: dict[int, dict], views:
     extra = _extra_collectives(positions, exited)
     if extra:
         summary = wording.extra_collective_summary(extra, positions)
+        if any(positions[rank].detail.startswith(wording.BY_FSDP) for rank in extra):
+            return "collective-mismatch", extra, summary, wording.SHARDED_MODEL_ON_ONE_RANK_CURE
         if any(_issued_from_cpp(positions[rank], views.get(rank)) for rank in extra):
             return "collective-mismatch", extra, summary, wording.MODEL_ON_ONE_RANK_CURE
         return "collective-mismatch", extra, summary
@@ -643,6 +645,9 @@ def _divergence_kind(divergence, positions, histories, views):
     if kind == "collective-mismatch" and any(_cpp_call_in_rank_branch(positions[r], key, views.get(r))
                                              for r in culprits if r in positions):
         return kind, culprits, summary, wording.MODEL_ON_ONE_RANK_CURE
+    if kind == "collective-mismatch" and any(_fsdp_call_in_rank_branch(positions[r], key)
+                                             for r in culprits if r in positions):
+        return kind, culprits, summary, wording.SHARDED_MODEL_ON_ONE_RANK_CURE
     return kind, culprits, summary
 
 
@@ -858,6 +863,13 @@ def _cpp_call_in_rank_branch(pos: Position, key: tuple[str, int], view: RankView
     """Is the rank in collective ``key``, issued from C++ (DDP's), on a path through a branch on the
     rank (a DDP model's forward under ``if accelerator.is_main_process:``)?"""
     return (_issued_from_cpp(pos, view) and (pos.op.pg, pos.seq) == key) and rank_branch(pos) is not None
+
+
+def _fsdp_call_in_rank_branch(pos: Position, key: tuple[str, int]) -> bool:
+    """Is the rank in collective ``key``, issued by FSDP's hooks, on a path through a branch on the
+    rank (an FSDP model's forward under ``if accelerator.is_main_process:``)?"""
+    return (pos.detail.startswith(wording.BY_FSDP) and pos.op is not None and (pos.op.pg, pos.seq) == key
+            and rank_branch(pos) is not None)
 
 
 def _issued_from_cpp(pos: Position, view: RankView | None) -> bool:

@@ -183,6 +183,26 @@ def short_error(text: str | None) -> str:
     return first if len(first) <= 160 else first[:157] + "..."
 
 
+BY_FSDP = "issued by FSDP"  # a rank's detail: its Python call came from FSDP's hooks, not the user's code
+SHARDED_MODEL_ON_ONE_RANK_CURE = (
+    "The collective is none of your calls: FSDP all-gathers a sharded model's parameters from every "
+    "rank in each forward (and reduce-scatters its gradients in backward). An FSDP model run on one rank "
+    "alone (evaluation or sampling under 'if accelerator.is_main_process:') waits for the other ranks "
+    "there: run it on every rank, or take its full state on every rank (torch.distributed.checkpoint."
+    "state_dict.get_model_state_dict with StateDictOptions(full_state_dict=True, cpu_offload=True)) "
+    "and run an unsharded copy on the one rank.")
+
+
+def fsdp_call(stack: list[dict[str, Any]]) -> str:
+    """'issued by FSDP inside forward(): ...' when the stack runs FSDP's code (FSDP1 or
+    ``fully_shard``), whose hooks issue collectives the user's line never names; '' otherwise."""
+    if not any("/torch/distributed/fsdp/" in (frame.get("file") or "").replace("\\", "/") for frame in stack):
+        return ""
+    if any(frame.get("func") in ("backward", "_engine_run_backward") for frame in stack):
+        return f"{BY_FSDP} inside backward(): a parameters' all-gather or the gradients' reduce-scatter"
+    return f"{BY_FSDP} inside forward(): the all-gather of its parameters"
+
+
 def issued_by(stack: list[dict[str, Any]]) -> str:
     """Who issued a collective that no Python wrapper saw (DDP from C++, most often)."""
     names = {(Path(f["file"]).name, f["func"]) for f in stack}
@@ -375,7 +395,7 @@ def divergence_summary(kind: str, key: tuple[str, int], present: dict[int, Op], 
         pos = positions.get(rank)
         if pos is not None and pos.op is not None and pos.seq == seq:  # where the rank is now
             where = where or pos.where
-            if pos.detail and pos.op.source == "flight-recorder":
+            if pos.detail and (pos.op.source == "flight-recorder" or pos.detail.startswith(BY_FSDP)):
                 extra = f", {pos.detail}"
         parts.append(f"rank {rank} in {_op_name(op)}{' at ' + where if where else ''}{extra}")
     return (f"Ranks issued different collectives as collective #{seq}: " + "; ".join(parts) + "."
