@@ -685,7 +685,7 @@ def test_a_continue_that_skips_a_turn_on_one_rank_is_named_with_its_condition_an
     assert (found.kind, found.ranks) == ("collective-mismatch", [1]), found.text()
     assert found.summary.endswith(
         f"In that loop, the continue at {HERE}:{_line('skip')} (if math.isnan(loss)) skips the rest of "
-        "its turn: taken on some ranks alone, it leaves them fewer collectives than the others."), \
+        "its turn: it can end a turn on some ranks alone, leaving them fewer collectives than the others."), \
         found.summary
     assert f"left the loop at {HERE}:{_line('skip loop')}" in found.summary, found.summary
     assert found.fix.startswith(wording.LOOP_EXIT_CURE + " " + wording.UNEVEN_LOOP_CURE), found.fix
@@ -758,6 +758,10 @@ def test_a_loops_exits_are_its_own_continues_before_the_call_and_every_break_and
         ("continue", 4, "batch is None"), ("break", 7, "len(batch) > 9"),
         ("continue", 15, "except ValueError"), ("return", 17, "batch == " + repr("x" * 80)[:48] + "...")]
     assert loop_exits(str(script), 8, 9) == [("break", 9, "")]
+    other = tmp_path / "other.py"
+    other.write_text("while not stop:\n    step()\nwhile True:\n    step()\n")
+    assert loop_exits(str(other), 1, 2) == [("while", 1, "not stop")]
+    assert loop_exits(str(other), 3, 4) == []  # 'while True' ends only by its break
     assert loop_exits(str(script), 3, 13) == []  # no loop there
     assert loop_exits(str(tmp_path / "missing.py"), 2, 13) == []
 

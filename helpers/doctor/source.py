@@ -221,10 +221,11 @@ _EXIT_TEST_CHARS = 60  # a condition's text, cut after this many characters
 def loop_exits(filename: str | None, loop_line: int | None,
                call_line: int | None) -> list[tuple[str, int, str]]:
     """What can end a turn of the loop whose header is at ``loop_line`` before the call at
-    ``call_line``, as ``(keyword, line, condition)``: each ``continue`` above that line, each
-    ``break`` and ``return`` in the loop (nested loops and functions have their own), with the test
-    of the innermost ``if`` around it ('' when none; ``not (...)`` in its ``else``). Taken on some
-    ranks alone (a NaN loss, an empty batch), each leaves them fewer collectives than the others."""
+    ``call_line``, as ``(keyword, line, condition)``: a ``while`` loop's own test (``"while"``),
+    each ``continue`` above that line, each ``break`` and ``return`` in the loop (nested loops and
+    functions have their own), with the test of the innermost ``if`` around it ('' when none;
+    ``not (...)`` in its ``else``). Taken on some ranks alone (a NaN loss, an empty batch, a flag
+    one rank set), each leaves them fewer collectives than the others."""
     parsed = _tree(filename)
     if parsed is None or loop_line is None or call_line is None:
         return []
@@ -232,8 +233,11 @@ def loop_exits(filename: str | None, loop_line: int | None,
              if isinstance(node, (ast.For, ast.AsyncFor, ast.While)) and node.lineno == loop_line]
     if not loops:
         return []
+    loop = loops[0]
     found: list[tuple[str, int, str]] = []
-    for statement in loops[0].body:
+    if isinstance(loop, ast.While) and not (isinstance(loop.test, ast.Constant) and loop.test.value):
+        found.append(("while", loop.lineno, _cut(_text(loop.test))))  # its own test ends it too
+    for statement in loop.body:
         _exits_in(statement, "", call_line, found)
     return sorted(found, key=lambda exit_: exit_[1])
 

@@ -458,12 +458,13 @@ def loop_exits_text(file: str, header: int, call_line: int) -> str:
     if not exits:
         return ""
     name = Path(file).name
-    parts = [f"the {keyword} at {name}:{line}{f' (if {test})' if test else ''} {_EXIT_EFFECTS[keyword]}"
+    parts = [f"its test at {name}:{line} ({test}) ends it once false" if keyword == "while" else
+             f"the {keyword} at {name}:{line}{f' (if {test})' if test else ''} {_EXIT_EFFECTS[keyword]}"
              for keyword, line, test in exits[:3]]
     more = f" (and {len(exits) - 3} more)" if len(exits) > 3 else ""
-    each = "each leaves" if len(exits) > 1 else "it leaves"
-    return (f" {LOOP_EXITS}{'; '.join(parts)}{more}: taken on some ranks alone, {each} them fewer "
-            f"collectives than the others.")
+    each = "each" if len(exits) > 1 else "it"
+    return (f" {LOOP_EXITS}{'; '.join(parts)}{more}: {each} can end a turn on some ranks alone, "
+            f"leaving them fewer collectives than the others.")
 
 
 def _site(op: Op, pos: Position | None) -> tuple[str, int] | None:
