@@ -65,6 +65,11 @@ RULES: dict[str, str] = {
         "Use the existing name the message gives (accelerate's API reference lists every Accelerator "
         f"method); the early-stopping API is set_trigger()/check_trigger() ({NB_EARLY_STOP})."
     ),
+    "COLLECTIVE_IN_MAIN_FIRST": (
+        "Issue it before or after the main_process_first block, on every rank, and keep only work that "
+        "needs no other rank (building a cache, downloading) inside it. The doctor names this hang at run "
+        f"time; {NB_REPRO} builds a runnable repro."
+    ),
     "CUDA_BEFORE_LAUNCH": (
         "Move it inside the function you pass to notebook_launcher, restart the kernel and run again: "
         "the launcher forks, and the forked ranks cannot use CUDA (or an Accelerator) set up in the "
@@ -106,6 +111,7 @@ ACCELERATOR_COLLECTIVES = {
     "main_process_first": "holds a barrier (wait_for_everyone) before and after its block",
     "local_main_process_first": "holds a barrier (wait_for_everyone) before and after its block",
 }
+_GOES_FIRST = ("main_process_first", "local_main_process_first")  # blocks the main process runs first
 # method names too generic to count unless the receiver is an Accelerator
 _NEEDS_ACCELERATOR = {"gather", "reduce", "backward", "get_state_dict", "save_model", "save_state"}
 BARRIERS = {"accelerate.wait_for_everyone", "torch.distributed.barrier",
@@ -935,6 +941,7 @@ class _Module:
         raws += self._check_rank_decorators()
         for scope in [self.tree, *(fn for defs in self.functions.values() for fn in defs)]:
             raws += _Flow(self, scope).raws
+        raws += self._check_goes_first()
         raws += self._check_api()
         raws += self._check_launch_order()
         return self._to_findings(raws)
@@ -999,6 +1006,25 @@ class _Module:
     def _main_only_fix(op: _Op) -> str:
         saving = op.key in ("accelerate.get_state_dict", "accelerate.save_model", "accelerate.save_state")
         return (SAVE_FIX if saving else "") + RULES["MAIN_ONLY_COLLECTIVE"]
+
+    def _check_goes_first(self) -> Iterator[_Raw]:
+        """COLLECTIVE_IN_MAIN_FIRST: a collective inside ``with ...main_process_first():`` (accelerate's,
+        transformers' TrainingArguments'): the block runs on the main process while the other ranks
+        wait in a barrier (accelerate state.py ``_goes_first``), then on them, so the collective meets
+        their barrier."""
+        for node in self.of(ast.With, ast.AsyncWith):
+            first = next((item.context_expr for item in node.items if isinstance(item.context_expr, ast.Call)
+                          and getattr(item.context_expr.func, "attr", None) in _GOES_FIRST), None)
+            if first is None:
+                continue
+            for op, call in self.ordered(node.body):
+                if getattr(call.func, "attr", None) in _GOES_FIRST:  # a nested block: its own finding
+                    continue
+                yield _Raw("COLLECTIVE_IN_MAIN_FIRST", call,
+                           f"`{op.text}` {op.why}, inside `with {_text(first)}:` "
+                           f"({self.parsed.where(node.lineno)}), which runs its block on the main process "
+                           "while the other ranks wait in a barrier: the collective meets that barrier "
+                           "and the job hangs.")
 
     def _check_rank_decorators(self) -> Iterator[_Raw]:
         for defs in self.functions.values():

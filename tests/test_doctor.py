@@ -248,6 +248,39 @@ def test_a_dict_reduced_with_a_key_only_one_rank_has_names_that_rank_and_the_rep
     leftovers.check()
 
 
+def _gather_inside_main_process_first():
+    import torch
+    from accelerate import Accelerator
+
+    accelerator = Accelerator(cpu=True)
+    with accelerator.main_process_first():  # line: goes first
+        accelerator.gather(torch.tensor([accelerator.process_index]))  # line: gather inside
+
+
+def test_a_collective_inside_main_process_first_is_named_against_the_blocks_own_barrier(leftovers):
+    found = _hung_run(_gather_inside_main_process_first)
+    assert (found.kind, found.ranks) == ("collective-mismatch", [0]), found.summary
+    header = f"{HERE}:{_line('goes first')}"
+    assert found.summary == (
+        f"Ranks issued different collectives as collective #1: rank 0 in all_gather at "
+        f"{HERE}:{_line('gather inside')} inside the main_process_first block; rank 1 in barrier at "
+        f"{header}, that block's own barrier. The block at {header} runs on the main process first while "
+        "the others wait in its barrier, so rank 0's collective inside it meets that barrier."), found.summary
+    assert found.fix.startswith(wording.GOES_FIRST_CURE)
+    leftovers.check()
+
+
+def test_a_main_process_first_block_is_found_around_its_lines(tmp_path):
+    script = tmp_path / "prepare.py"
+    script.write_text("with accelerator.main_process_first():\n"  # 1
+                      "    data = load()\n"  # 2
+                      "with training_args.main_process_first(desc='tokenize'), open(f) as g:\n"  # 3
+                      "    data = data.map(tokenize)\n"  # 4
+                      "with torch.no_grad():\n"  # 5
+                      "    evaluate()\n")  # 6
+    assert [source.goes_first_block(str(script), line) for line in range(1, 7)] == [1, 1, 3, 3, None, None]
+
+
 def _evaluate_the_ddp_model_on_the_main_process():
     import torch
     from accelerate import Accelerator

@@ -26,6 +26,7 @@ from helpers.doctor.source import (
     enclosing_function,
     enclosing_loop,
     faulthandler_stack,
+    goes_first_block,
     rank_conditional,
     source_line,
 )
@@ -605,6 +606,22 @@ def _grouped(present: dict[int, Op]) -> dict[tuple, list[int]]:
     return groups
 
 
+def _goes_first(present: dict[int, Op]) -> tuple[list[int], str] | None:
+    """The ranks that issued a collective inside a ``main_process_first`` block while every other
+    rank waits in a barrier at the block's header (the barrier the block puts the others in), and
+    that header ('train.py:12'); None otherwise."""
+    headers = {rank: goes_first_block(op.file, op.line) for rank, op in present.items()}
+    if None in headers.values() or len({(op.file, headers[rank]) for rank, op in present.items()}) != 1:
+        return None
+    header = next(iter(headers.values()))
+    waiting = [rank for rank, op in present.items() if op.line == header]
+    inside = sorted(rank for rank in present if rank not in waiting)
+    if not waiting or not inside or any(canonical_op(present[rank].op) != "barrier" for rank in waiting):
+        return None
+    op = present[waiting[0]]
+    return inside, f"{Path(op.file).name}:{header}"
+
+
 def _loop_cures(summary: str) -> list[str]:
     """The cures for a loop that ran out first on some ranks: deciding its skips and exits together
     first when the summary names one (``wording.loop_exits_text``)."""
@@ -624,6 +641,11 @@ def _divergence_kind(divergence, positions, histories, views):
         culprits = _split_culprits(present, pairs)
         summary = wording.split_summary(key, present, pairs, culprits)
         return "shape-mismatch", culprits, summary, wording.SPLIT_CURE
+    first = _goes_first(present)
+    if first is not None:
+        inside, header = first
+        return ("collective-mismatch", inside, wording.goes_first_summary(key, present, inside, header),
+                wording.GOES_FIRST_CURE)
     culprits = _odd_ones_out(groups, present, histories, key, positions)
     repeated = _repeated_call(present, histories, key, positions)
     if repeated is not None:

@@ -264,6 +264,23 @@ def _exits_in(node: ast.AST, test: str, call_line: int, found: list[tuple[str, i
             _exits_in(child, test, call_line, found)
 
 
+_GOES_FIRST = re.compile(r"(main|local_main)_process_first")  # accelerate's and transformers' context
+
+
+def goes_first_block(filename: str | None, line: int | None) -> int | None:
+    """The header line of the innermost ``with ...main_process_first():`` block (accelerate's
+    ``main_process_first`` or ``local_main_process_first``, transformers' ``TrainingArguments.
+    main_process_first``) whose header or body holds ``line``; None when there is none. Its header
+    is where the ranks that go second wait in a barrier while the main process runs the body."""
+    parsed = _tree(filename)
+    if parsed is None or line is None:
+        return None
+    blocks = [node for node in ast.walk(parsed[0])
+              if isinstance(node, (ast.With, ast.AsyncWith)) and node.lineno <= line <= (node.end_lineno or 0)
+              and any(_GOES_FIRST.search(_text(item.context_expr)) for item in node.items)]
+    return max((node.lineno for node in blocks), default=None)
+
+
 def source_line(frame: dict[str, Any]) -> str:
     """The text of a stack frame's line in the user's file ('' when unreadable)."""
     parsed = _tree(frame.get("file"))

@@ -476,6 +476,24 @@ def _site(op: Op, pos: Position | None) -> tuple[str, int] | None:
     return None
 
 
+GOES_FIRST_CURE = (
+    "Take collectives out of a main_process_first block: it runs the block on the main process while "
+    "the other ranks wait in a barrier (wait_for_everyone), then on them, so a gather, reduce or "
+    "wait_for_everyone inside it meets that barrier. Issue it before or after the block, on every rank.")
+
+
+def goes_first_summary(key: tuple[str, int], present: dict[int, Op], inside: list[int],
+                       header: str) -> str:
+    """Ranks inside a ``main_process_first`` block issued a collective while the others wait in
+    the block's own barrier at ``header`` ('train.py:12')."""
+    parts = [f"rank {rank} in {_op_name(op)}{' at ' + op.where if op.where else ''}"
+             + (" inside the main_process_first block" if rank in inside else ", that block's own barrier")
+             for rank, op in sorted(present.items())]
+    return (f"Ranks issued different collectives as collective #{key[1]}: " + "; ".join(parts)
+            + f". The block at {header} runs on the main process first while the others wait in its "
+            f"barrier, so {ranks_text(inside).lower()}'s collective inside it meets that barrier.")
+
+
 def root_summary(key: tuple[str, int], present: dict[int, Op], culprits: list[int]) -> str:
     """The ranks called one rooted collective with different roots (src or dst)."""
     op = next(iter(present.values()))
