@@ -486,9 +486,12 @@ def goes_first_summary(key: tuple[str, int], present: dict[int, Op], inside: lis
                        header: str) -> str:
     """Ranks inside a ``main_process_first`` block issued a collective while the others wait in
     the block's own barrier at ``header`` ('train.py:12')."""
-    parts = [f"rank {rank} in {_op_name(op)}{' at ' + op.where if op.where else ''}"
-             + (" inside the main_process_first block" if rank in inside else ", that block's own barrier")
-             for rank, op in sorted(present.items())]
+    alike: dict[tuple, list[int]] = {}  # ranks in one op at one line, named together
+    for rank, op in sorted(present.items()):
+        alike.setdefault((_op_name(op), op.where, rank in inside), []).append(rank)
+    parts = [f"{ranks_text(ranks).lower()} in {name}{' at ' + where if where else ''}"
+             + (" inside the main_process_first block" if is_inside else ", that block's own barrier")
+             for (name, where, is_inside), ranks in alike.items()]
     return (f"Ranks issued different collectives as collective #{key[1]}: " + "; ".join(parts)
             + f". The block at {header} runs on the main process first while the others wait in its "
             f"barrier, so {ranks_text(inside).lower()}'s collective inside it meets that barrier.")
