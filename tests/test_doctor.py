@@ -676,6 +676,8 @@ def test_ranks_whose_loops_ran_out_first_are_named_when_they_are_the_many(leftov
     assert (found.kind, found.ranks) == ("collective-mismatch", [0]), found.text()
     assert (f". Ranks 1 and 2 have left the loop at {HERE}:{_line('batches')} that rank 0 is still in: "
             "their loops ran out first (a DataLoader with fewer batches on those ranks") in found.summary
+    assert f": rank 0 in all_reduce at {HERE}:" in found.summary, found.summary  # the same said once:
+    assert f"; ranks 1 and 2 in barrier at {HERE}:{_line('after the loop')}." in found.summary
     leftovers.check()
 
 

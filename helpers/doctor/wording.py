@@ -385,11 +385,11 @@ def divergence_summary(kind: str, key: tuple[str, int], present: dict[int, Op], 
         return (f"Ranks called {_op_name(op)}{where} (collective #{seq}) with different shapes or dtypes: "
                 + "; ".join(parts) + ". " + odd)
     if seq < 0:  # stacks alone: the collective each rank waits in now
-        parts = [f"rank {rank} in {_op_name(op)}{' at ' + op.where if op.where else ''}"
-                 for rank, op in sorted(present.items())]
+        parts = _together([(rank, f"in {_op_name(op)}{' at ' + op.where if op.where else ''}")
+                           for rank, op in sorted(present.items())])
         return ("Ranks wait in different collectives: " + "; ".join(parts) + "."
                 + _different_path(present, culprits, positions))
-    parts = []
+    said = []
     for rank, op in sorted(present.items()):
         where, extra = op.where, ""
         pos = positions.get(rank)
@@ -397,9 +397,18 @@ def divergence_summary(kind: str, key: tuple[str, int], present: dict[int, Op], 
             where = where or pos.where
             if pos.detail and (pos.op.source == "flight-recorder" or pos.detail.startswith(BY_FSDP)):
                 extra = f", {pos.detail}"
-        parts.append(f"rank {rank} in {_op_name(op)}{' at ' + where if where else ''}{extra}")
-    return (f"Ranks issued different collectives as collective #{seq}: " + "; ".join(parts) + "."
+        said.append((rank, f"in {_op_name(op)}{' at ' + where if where else ''}{extra}"))
+    return (f"Ranks issued different collectives as collective #{seq}: " + "; ".join(_together(said)) + "."
             + _different_path(present, culprits, positions))
+
+
+def _together(said: list[tuple[int, str]]) -> list[str]:
+    """'ranks 0, 1 and 3 in all_reduce at train.py:14': the ranks of which the same is said, named
+    together (a job of 16 ranks reads as two parts, not 16), in the order of their lowest rank."""
+    alike: dict[str, list[int]] = {}
+    for rank, text in said:
+        alike.setdefault(text, []).append(rank)
+    return [f"{ranks_text(ranks).lower()} {text}" for text, ranks in alike.items()]
 
 
 def _different_path(present: dict[int, Op], culprits: list[int], positions: dict[int, Position]) -> str:
@@ -486,12 +495,10 @@ def goes_first_summary(key: tuple[str, int], present: dict[int, Op], inside: lis
                        header: str) -> str:
     """Ranks inside a ``main_process_first`` block issued a collective while the others wait in
     the block's own barrier at ``header`` ('train.py:12')."""
-    alike: dict[tuple, list[int]] = {}  # ranks in one op at one line, named together
-    for rank, op in sorted(present.items()):
-        alike.setdefault((_op_name(op), op.where, rank in inside), []).append(rank)
-    parts = [f"{ranks_text(ranks).lower()} in {name}{' at ' + where if where else ''}"
-             + (" inside the main_process_first block" if is_inside else ", that block's own barrier")
-             for (name, where, is_inside), ranks in alike.items()]
+    parts = _together([(rank, f"in {_op_name(op)}{' at ' + op.where if op.where else ''}"
+                               + (" inside the main_process_first block" if rank in inside
+                                  else ", that block's own barrier"))
+                              for rank, op in sorted(present.items())])
     return (f"Ranks issued different collectives as collective #{key[1]}: " + "; ".join(parts)
             + f". The block at {header} runs on the main process first while the others wait in its "
             f"barrier, so {ranks_text(inside).lower()}'s collective inside it meets that barrier.")
