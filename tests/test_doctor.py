@@ -419,7 +419,7 @@ def test_a_broadcast_with_a_root_of_its_own_names_that_rank(leftovers):
     assert (found.kind, found.ranks) == ("collective-mismatch", [1]), found.summary
     site = f"{HERE}:{_line('broadcast root')}"
     assert found.summary.startswith(f"Ranks called broadcast at {site} (collective #"), found.summary
-    assert "with different roots: rank 0 src=0; rank 1 src=1; rank 2 src=0. Rank 1 differs" in found.summary
+    assert "with different roots: ranks 0 and 2 src=0; rank 1 src=1. Rank 1 differs" in found.summary
     leftovers.check()
 
 
@@ -877,7 +877,7 @@ def test_an_object_list_broadcast_with_lists_of_other_lengths_names_the_ranks_un
     assert (found.kind, found.ranks) == ("shape-mismatch", [1, 2]), found.text()
     site = f"{HERE}:{_line('objects')}"
     assert found.summary == (f"Ranks called broadcast_object_list at {site} (collective #1) with lists of "
-                             "different lengths: rank 0 a list of 3; rank 1 a list of 1; rank 2 a list of 1. "
+                             "different lengths: rank 0 a list of 3; ranks 1 and 2 a list of 1. "
                              "Ranks 1 and 2 differ from the source, rank 0.")
     assert found.fix.startswith(wording.OBJECT_LIST_CURE)
     assert [entry.shapes for entry in found.per_rank] == [[[3]], [[1]], [[1]]]

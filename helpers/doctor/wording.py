@@ -377,11 +377,11 @@ def divergence_summary(kind: str, key: tuple[str, int], present: dict[int, Op], 
                if len(culprits) < len(present)
                else "Every rank must pass the same shape and dtype.")
         if is_object_list(op):
-            parts = [f"rank {r} {_items(o.shapes)}" for r, o in sorted(present.items())]
+            parts = _together([(r, _items(o.shapes)) for r, o in sorted(present.items())])
             return (f"Ranks called {_op_name(op)}{where} (collective #{seq}) with lists of different "
                     "lengths: " + "; ".join(parts) + ". " + odd)
-        parts = [f"rank {r} {shapes_text(o.shapes)} {','.join(o.dtypes or [])}".strip()
-                 for r, o in sorted(present.items())]
+        parts = _together([(r, f"{shapes_text(o.shapes)} {','.join(o.dtypes or [])}".strip())
+                           for r, o in sorted(present.items())])
         return (f"Ranks called {_op_name(op)}{where} (collective #{seq}) with different shapes or dtypes: "
                 + "; ".join(parts) + ". " + odd)
     if seq < 0:  # stacks alone: the collective each rank waits in now
@@ -509,7 +509,7 @@ def root_summary(key: tuple[str, int], present: dict[int, Op], culprits: list[in
     op = next(iter(present.values()))
     site = next((o.where for o in present.values() if o.where), None)
     argument = ROOTS.get(canonical_op(op.op), "src")
-    parts = [f"rank {rank} {argument}={o.root}" for rank, o in sorted(present.items())]
+    parts = _together([(rank, f"{argument}={o.root}") for rank, o in sorted(present.items())])
     odd = (f"{ranks_text(culprits)} differ{'s' if len(culprits) == 1 else ''} from the others. "
            if len(culprits) < len(present) else "")
     return (f"Ranks called {_op_name(op)}{' at ' + site if site else ''} (collective #{key[1]}) with "
