@@ -797,6 +797,10 @@ def test_a_loops_exits_are_its_own_continues_before_the_call_and_every_break_and
     other.write_text("while not stop:\n    step()\nwhile True:\n    step()\n")
     assert loop_exits(str(other), 1, 2) == [("while", 1, "not stop")]
     assert loop_exits(str(other), 3, 4) == []  # 'while True' ends only by its break
+    matched = tmp_path / "matched.py"
+    matched.write_text("for batch in loader:\n    match batch:\n        case None:\n            continue\n"
+                       "    try:\n        step(batch)\n    finally:\n        if done:\n            break\n")
+    assert loop_exits(str(matched), 1, 6) == [("continue", 4, ""), ("break", 9, "done")]
     assert loop_exits(str(script), 3, 13) == []  # no loop there
     assert loop_exits(str(tmp_path / "missing.py"), 2, 13) == []
 

@@ -260,7 +260,7 @@ def _exits_in(node: ast.AST, test: str, call_line: int, found: list[tuple[str, i
     if isinstance(node, ast.ExceptHandler):  # taken when the body raised
         test = f"except {_text(node.type)}" if node.type is not None else "except"
     for child in ast.iter_child_nodes(node):
-        if isinstance(child, (ast.stmt, ast.ExceptHandler)):
+        if isinstance(child, (ast.stmt, ast.ExceptHandler, ast.match_case)):
             _exits_in(child, test, call_line, found)
 
 
