@@ -66,6 +66,7 @@ ALIASES = {
     "allreduce": "all_reduce",
     "allgather": "all_gather",
     "monitored_barrier": "barrier",
+    "all_reduce_barrier": "barrier",  # NCCL's barrier in the Flight Recorder (torch's FR analyzer, types.py)
     "_allgather_base": "all_gather_into_tensor",
     "all_gather_single": "all_gather_into_tensor",
     "_all_gather_base": "all_gather_into_tensor",

@@ -1011,15 +1011,16 @@ class _Module:
         """COLLECTIVE_IN_MAIN_FIRST: a collective inside ``with ...main_process_first():`` (accelerate's,
         transformers' TrainingArguments'): the block runs on the main process while the other ranks
         wait in a barrier (accelerate state.py ``_goes_first``), then on them, so the collective meets
-        their barrier."""
+        their barrier. A barrier inside pairs with theirs and hangs nothing (it only lets every rank
+        run the block at once): not flagged."""
         for node in self.of(ast.With, ast.AsyncWith):
             first = next((item.context_expr for item in node.items if isinstance(item.context_expr, ast.Call)
                           and getattr(item.context_expr.func, "attr", None) in _GOES_FIRST), None)
             if first is None:
                 continue
             for op, call in self.ordered(node.body):
-                if getattr(call.func, "attr", None) in _GOES_FIRST:  # a nested block: its own finding
-                    continue
+                if getattr(call.func, "attr", None) in _GOES_FIRST or op.key == "barrier":
+                    continue  # a nested block: its own finding; a barrier pairs with the others' own
                 yield _Raw("COLLECTIVE_IN_MAIN_FIRST", call,
                            f"`{op.text}` {op.why}, inside `with {_text(first)}:` "
                            f"({self.parsed.where(node.lineno)}), which runs its block on the main process "

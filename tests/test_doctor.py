@@ -264,8 +264,9 @@ def test_a_collective_inside_main_process_first_is_named_against_the_blocks_own_
     assert found.summary == (
         f"Ranks issued different collectives as collective #1: rank 0 in all_gather at "
         f"{HERE}:{_line('gather inside')} inside the main_process_first block; rank 1 in barrier at "
-        f"{header}, that block's own barrier. The block at {header} runs on the main process first while "
-        "the others wait in its barrier, so rank 0's collective inside it meets that barrier."), found.summary
+        f"{header}, that block's own barrier. The block at {header} runs on the main process and on the "
+        "others at different times, each side waiting for the other in a barrier at its header, so a "
+        "collective inside it meets that barrier."), found.summary
     assert found.fix.startswith(wording.GOES_FIRST_CURE)
     leftovers.check()
 
@@ -752,16 +753,27 @@ def test_an_fsdp_model_run_on_one_rank_is_named_as_fsdps_all_gather_with_the_sha
     leftovers.check()
 
 
-def test_a_call_from_fsdps_hooks_is_told_by_its_stack_forward_or_backward():
-    fsdp = "/site-packages/torch/distributed/fsdp/_fully_shard/_fsdp_collectives.py"
-    user = {"file": "/work/train.py", "func": "<module>"}
-    forward = [user, {"file": fsdp, "func": "foreach_all_gather"}]
-    backward = [user, {"file": "/site-packages/torch/autograd/graph.py", "func": "_engine_run_backward"},
-                {"file": fsdp, "func": "foreach_reduce"}]
-    assert wording.fsdp_call(forward) == "issued by FSDP inside forward(): the all-gather of its parameters"
-    assert wording.fsdp_call(backward).startswith("issued by FSDP inside backward()")
-    assert wording.fsdp_call([user, {"file": "/site-packages/torch/distributed/distributed_c10d.py",
-                                     "func": "all_gather_into_tensor"}]) == ""
+def test_a_call_from_fsdps_code_is_told_by_its_stack_below_the_users_last_frame():
+    site = "/site-packages/torch/distributed/"
+    user = {"file": "/work/train.py", "func": "<module>", "user": True}
+    gather = {"file": f"{site}fsdp/_fully_shard/_fsdp_collectives.py", "func": "foreach_all_gather"}
+    reduce = {"file": f"{site}fsdp/_fully_shard/_fsdp_collectives.py", "func": "foreach_reduce"}
+    autograd = {"file": "/site-packages/torch/autograd/graph.py", "func": "_engine_run_backward"}
+    fsdp1 = {"file": f"{site}fsdp/fully_sharded_data_parallel.py", "func": "forward"}
+    state = {"file": f"{site}fsdp/_state_dict_utils.py", "func": "_full_post_state_dict_hook"}
+    assert wording.fsdp_call([user, gather], "all_gather_into_tensor") == wording.FSDP_FORWARD
+    assert wording.fsdp_call([user, autograd, reduce], "reduce_scatter_tensor").startswith(
+        "issued by FSDP inside backward(): the gradients' reduce-scatter")
+    assert wording.fsdp_call([user, autograd, gather], "all_gather_into_tensor").startswith(
+        "issued by FSDP inside backward()")
+    assert wording.fsdp_call([user, fsdp1, state], "_allgather_base") == wording.FSDP_STATE_DICT
+    assert wording.fsdp_cure(wording.FSDP_STATE_DICT) == wording.FSDP_STATE_DICT_CURE
+    # a user's own collective in a module FSDP1 wraps is the user's: FSDP's frame is above the user's
+    moe = {"file": "/work/moe.py", "func": "forward", "user": True}
+    assert wording.fsdp_call([user, fsdp1, moe], "all_to_all_single") == ""
+    assert wording.fsdp_call([user, {"file": f"{site}distributed_c10d.py", "func": "all_reduce"}],
+                             "all_reduce") == ""
+    assert wording.fsdp_cure(wording.BY_FSDP) is None  # clip_grad_norm_'s all_reduce: no cure of its own
 
 
 def test_a_loops_exits_are_its_own_continues_before_the_call_and_every_break_and_return(tmp_path):
@@ -801,8 +813,49 @@ def test_a_loops_exits_are_its_own_continues_before_the_call_and_every_break_and
     matched.write_text("for batch in loader:\n    match batch:\n        case None:\n            continue\n"
                        "    try:\n        step(batch)\n    finally:\n        if done:\n            break\n")
     assert loop_exits(str(matched), 1, 6) == [("continue", 4, ""), ("break", 9, "done")]
+    nested = tmp_path / "nested.py"
+    nested.write_text("def f():\n    for batch in loader:\n        for part in batch:\n"
+                      "            if part is None:\n                return\n        step(batch)\n")
+    assert loop_exits(str(nested), 2, 6) == [("return", 5, "part is None")]  # it leaves the outer loop too
+    chain = tmp_path / "chain.py"
+    chain.write_text("for b in loader:\n    if b == 0:\n        continue\n"
+                     + "".join(f"    elif b == {i}:\n        continue\n" for i in range(1, 400))
+                     + "    step(b)\n")
+    limit = sys.getrecursionlimit()
+    sys.setrecursionlimit(300)  # the chain nests past it: in ast.parse or in the walk, never a crash
+    try:
+        assert loop_exits(str(chain), 1, 802) == []
+    finally:
+        sys.setrecursionlimit(limit)
     assert loop_exits(str(script), 3, 13) == []  # no loop there
     assert loop_exits(str(tmp_path / "missing.py"), 2, 13) == []
+
+
+def test_a_loops_exit_sentence_is_hedged_unless_its_condition_likely_differs_between_ranks(tmp_path):
+    script = tmp_path / "train.py"
+    script.write_text("for step, batch in enumerate(loader):\n"  # 1
+                      "    step_(batch)\n"  # 2: the call
+                      "    if step >= max_steps:\n"  # 3
+                      "        break\n"  # 4
+                      "for batch in loader:\n"  # 5
+                      "    try:\n"  # 6
+                      "        batch = check(batch)\n"  # 7
+                      "    except ValueError:\n"  # 8
+                      "        continue\n"  # 9
+                      "    step_(batch)\n")  # 10: the call
+    hedged = wording.loop_exits_text(str(script), 1, 2)
+    assert hedged == (" In that loop, the break at train.py:4 (if step >= max_steps) ends the loop: if its "
+                      "condition can differ between ranks, it can end a turn on some ranks alone, leaving "
+                      "them fewer collectives than the others."), hedged
+    told = wording.loop_exits_text(str(script), 5, 10)
+    assert told == (" In that loop, the continue at train.py:9 (in except ValueError) skips the rest of its "
+                    "turn: it can end a turn on some ranks alone, leaving them fewer collectives than the "
+                    "others."), told
+    from helpers.doctor.diagnosis import _loop_cures
+
+    assert _loop_cures(f"...ran out first.{hedged}") == [wording.UNEVEN_LOOP_CURE, wording.LOOP_EXIT_CURE]
+    assert _loop_cures(f"...ran out first.{told}") == [wording.LOOP_EXIT_CURE, wording.UNEVEN_LOOP_CURE]
+    assert _loop_cures("...ran out first.") == [wording.UNEVEN_LOOP_CURE]
 
 
 def _display(found) -> None:
@@ -1614,11 +1667,16 @@ def test_the_branch_on_the_rank_around_a_line_is_the_innermost_with_its_test(tmp
                       "        if flag:\n"  # 46
                       "            dist.barrier()  # line 47: the rank's branch is the outer one\n"
                       "    else:\n"  # 48
-                      "        dist.barrier()  # line 49: its else\n")
-    assert source.rank_condition(str(script), 9) == (8, "r == 1")
-    assert source.rank_condition(str(script), 31) == (30, "self.me == 0")
-    assert source.rank_condition(str(script), 47) == (45, "accelerator.is_main_process")
-    assert source.rank_condition(str(script), 49) == (45, "not (accelerator.is_main_process)")
+                      "        dist.barrier()  # line 49: its else\n"
+                      "    if flag:\n"  # 50
+                      "        pass\n"  # 51
+                      "    elif accelerator.process_index == 1:\n"  # 52
+                      "        dist.barrier()  # line 53: an elif's\n")
+    assert source.rank_condition(str(script), 9) == (8, "r == 1", "if")
+    assert source.rank_condition(str(script), 31) == (30, "self.me == 0", "if")
+    assert source.rank_condition(str(script), 47) == (45, "accelerator.is_main_process", "if")
+    assert source.rank_condition(str(script), 49) == (45, "accelerator.is_main_process", "else")
+    assert source.rank_condition(str(script), 53) == (52, "accelerator.process_index == 1", "elif")
     assert source.rank_condition(str(script), 13) is None
 
 

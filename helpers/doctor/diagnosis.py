@@ -443,7 +443,7 @@ def _current(view: RankView) -> Position:
         if pending_fr:
             seq = pending_fr[0]["collective_seq_id"]
         return Position(view.rank, "in-collective", op=op, seq=seq, where=op.where, file=op.file,
-                        line=op.line, detail=wording.fsdp_call(stack))
+                        line=op.line, detail=wording.fsdp_call(stack, op.op))
     pending = pending_fr[0] if pending_fr else None
     if pending is not None or view.pending_seq() is not None:
         op = fr_op(pending) if pending else Op(op="collective", seq=view.pending_seq())
@@ -521,8 +521,9 @@ def _classify(positions: dict[int, Position], histories: dict[int, dict], views:
     extra = _extra_collectives(positions, exited)
     if extra:
         summary = wording.extra_collective_summary(extra, positions)
-        if any(positions[rank].detail.startswith(wording.BY_FSDP) for rank in extra):
-            return "collective-mismatch", extra, summary, wording.SHARDED_MODEL_ON_ONE_RANK_CURE
+        fsdp = next((cure for rank in extra if (cure := wording.fsdp_cure(positions[rank].detail))), None)
+        if fsdp is not None:
+            return "collective-mismatch", extra, summary, fsdp
         if any(_issued_from_cpp(positions[rank], views.get(rank)) for rank in extra):
             return "collective-mismatch", extra, summary, wording.MODEL_ON_ONE_RANK_CURE
         return "collective-mismatch", extra, summary
@@ -624,9 +625,13 @@ def _goes_first(present: dict[int, Op]) -> tuple[list[int], str] | None:
 
 def _loop_cures(summary: str) -> list[str]:
     """The cures for a loop that ran out first on some ranks: deciding its skips and exits together
-    first when the summary names one (``wording.loop_exits_text``)."""
-    exits = [wording.LOOP_EXIT_CURE] if wording.LOOP_EXITS in summary else []
-    return [*exits, wording.UNEVEN_LOOP_CURE]
+    first when the summary names one likely to differ between ranks (``wording.loop_exits_text``),
+    second when it names one only hedged."""
+    if wording.LOOP_EXITS not in summary:
+        return [wording.UNEVEN_LOOP_CURE]
+    if wording.EXIT_HEDGE in summary:  # an exit alike on every rank, most likely: the data came first
+        return [wording.UNEVEN_LOOP_CURE, wording.LOOP_EXIT_CURE]
+    return [wording.LOOP_EXIT_CURE, wording.UNEVEN_LOOP_CURE]
 
 
 def _source(history: dict) -> str:
@@ -667,9 +672,10 @@ def _divergence_kind(divergence, positions, histories, views):
     if kind == "collective-mismatch" and any(_cpp_call_in_rank_branch(positions[r], key, views.get(r))
                                              for r in culprits if r in positions):
         return kind, culprits, summary, wording.MODEL_ON_ONE_RANK_CURE
-    if kind == "collective-mismatch" and any(_fsdp_call_in_rank_branch(positions[r], key)
-                                             for r in culprits if r in positions):
-        return kind, culprits, summary, wording.SHARDED_MODEL_ON_ONE_RANK_CURE
+    fsdp = next((cure for r in culprits
+                 if r in positions and (cure := _fsdp_call_in_rank_branch(positions[r], key))), None)
+    if kind == "collective-mismatch" and fsdp is not None:
+        return kind, culprits, summary, fsdp
     return kind, culprits, summary
 
 
@@ -887,11 +893,14 @@ def _cpp_call_in_rank_branch(pos: Position, key: tuple[str, int], view: RankView
     return (_issued_from_cpp(pos, view) and (pos.op.pg, pos.seq) == key) and rank_branch(pos) is not None
 
 
-def _fsdp_call_in_rank_branch(pos: Position, key: tuple[str, int]) -> bool:
-    """Is the rank in collective ``key``, issued by FSDP's hooks, on a path through a branch on the
-    rank (an FSDP model's forward under ``if accelerator.is_main_process:``)?"""
-    return (pos.detail.startswith(wording.BY_FSDP) and pos.op is not None and (pos.op.pg, pos.seq) == key
-            and rank_branch(pos) is not None)
+def _fsdp_call_in_rank_branch(pos: Position, key: tuple[str, int]) -> str | None:
+    """The cure when the rank is in collective ``key``, issued by FSDP (its forward's all-gather, or
+    its state dict's), on a path through a branch on the rank (an FSDP model's forward under ``if
+    accelerator.is_main_process:``); None otherwise."""
+    cure = wording.fsdp_cure(pos.detail)
+    if cure is None or pos.op is None or (pos.op.pg, pos.seq) != key or rank_branch(pos) is None:
+        return None
+    return cure
 
 
 def _issued_from_cpp(pos: Position, view: RankView | None) -> bool:

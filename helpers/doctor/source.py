@@ -26,9 +26,14 @@ def _tree(filename: str | None):
         try:
             source = Path(filename).read_text()
             _trees[filename] = (ast.parse(source), source)
-        except (OSError, SyntaxError, ValueError):
-            _trees[filename] = None
+        except (OSError, SyntaxError, ValueError, RecursionError, MemoryError):  # RecursionError: nested
+            _trees[filename] = None  # past what ast.parse builds (a chain of thousands of elifs)
     return _trees[filename]
+
+
+def mentions_rank(text: str) -> bool:
+    """Does an expression's text name the rank (is_main_process, get_rank(), RANK, process_index...)?"""
+    return bool(_RANK_TEST.search(text))
 
 
 def rank_conditional(filename: str | None, line: int | None) -> bool:
@@ -36,9 +41,10 @@ def rank_conditional(filename: str | None, line: int | None) -> bool:
     return rank_condition(filename, line) is not None
 
 
-def rank_condition(filename: str | None, line: int | None) -> tuple[int, str] | None:
+def rank_condition(filename: str | None, line: int | None) -> tuple[int, str, str] | None:
     """The innermost ``if`` around ``line`` whose test depends on the rank, as (its line, its test's
-    text, ``not (...)`` in its ``else``, cut after ``_EXIT_TEST_CHARS``); None when there is none."""
+    text cut after ``_EXIT_TEST_CHARS``, where ``line`` is: "if", "elif" (its test an ``elif``'s) or
+    "else"); None when there is none."""
     parsed = _tree(filename)
     if parsed is None or line is None:
         return None
@@ -55,7 +61,9 @@ def rank_condition(filename: str | None, line: int | None) -> tuple[int, str] | 
             if ((_RANK_TEST.search(text) or _names_in(node.test) & _visible(derived, node.lineno))
                     and (found is None or node.lineno > found[0])):
                 in_else = bool(node.orelse) and line >= node.orelse[0].lineno
-                found = (node.lineno, _cut(f"not ({text})" if in_else else text))
+                header = parsed[1].splitlines()[node.lineno - 1].lstrip() if node.lineno else ""
+                found = (node.lineno, _cut(text),
+                         "else" if in_else else "elif" if header.startswith("elif") else "if")
     return found
 
 
@@ -214,7 +222,8 @@ def loop_left(filename: str | None, inside: int | None, after: int | None) -> in
     return loop.lineno if scope is None or after <= (scope.end_lineno or 0) else None
 
 
-_NESTED = (ast.For, ast.AsyncFor, ast.While, ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda, ast.ClassDef)
+_LOOPS = (ast.For, ast.AsyncFor, ast.While)
+_SCOPES = (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda, ast.ClassDef)
 _EXIT_TEST_CHARS = 60  # a condition's text, cut after this many characters
 
 
@@ -223,9 +232,11 @@ def loop_exits(filename: str | None, loop_line: int | None,
     """What can end a turn of the loop whose header is at ``loop_line`` before the call at
     ``call_line``, as ``(keyword, line, condition)``: a ``while`` loop's own test (``"while"``),
     each ``continue`` above that line, each ``break`` and ``return`` in the loop (nested loops and
-    functions have their own), with the test of the innermost ``if`` around it ('' when none;
-    ``not (...)`` in its ``else``). Taken on some ranks alone (a NaN loss, an empty batch, a flag
-    one rank set), each leaves them fewer collectives than the others."""
+    functions have their own breaks and continues; a return there leaves this loop too), with the
+    test of the innermost ``if`` around it ('' when none; ``not (...)`` in its ``else``; ``except
+    ValueError`` in a handler). Taken on some ranks alone (a NaN loss, an empty batch, a flag one
+    rank set), each leaves them fewer collectives than the others; [] past the interpreter's
+    recursion limit (a chain of thousands of elifs)."""
     parsed = _tree(filename)
     if parsed is None or loop_line is None or call_line is None:
         return []
@@ -237,31 +248,36 @@ def loop_exits(filename: str | None, loop_line: int | None,
     found: list[tuple[str, int, str]] = []
     if isinstance(loop, ast.While) and not (isinstance(loop.test, ast.Constant) and loop.test.value):
         found.append(("while", loop.lineno, _cut(_text(loop.test))))  # its own test ends it too
-    for statement in loop.body:
-        _exits_in(statement, "", call_line, found)
+    try:
+        for statement in loop.body:
+            _exits_in(statement, "", call_line, found, True)
+    except RecursionError:
+        return []
     return sorted(found, key=lambda exit_: exit_[1])
 
 
-def _exits_in(node: ast.AST, test: str, call_line: int, found: list[tuple[str, int, str]]) -> None:
-    if isinstance(node, _NESTED):
+def _exits_in(node: ast.AST, test: str, call_line: int, found: list[tuple[str, int, str]], own: bool) -> None:
+    """``loop_exits``' walk; ``own``: still in the loop itself (not in a loop nested in it)."""
+    if isinstance(node, _SCOPES):
         return
-    ends = isinstance(node, (ast.Break, ast.Return))
-    if ends or (isinstance(node, ast.Continue) and node.lineno < call_line):
+    if isinstance(node, ast.Return) or (own and (
+            isinstance(node, ast.Break) or (isinstance(node, ast.Continue) and node.lineno < call_line))):
         keyword = {ast.Break: "break", ast.Return: "return", ast.Continue: "continue"}[type(node)]
         found.append((keyword, node.lineno, test))
         return
     if isinstance(node, ast.If):
         text = _cut(_text(node.test))
         for child in node.body:
-            _exits_in(child, text, call_line, found)
+            _exits_in(child, text, call_line, found, own)
         for child in node.orelse:
-            _exits_in(child, f"not ({text})" if text else "", call_line, found)
+            _exits_in(child, f"not ({text})" if text else "", call_line, found, own)
         return
     if isinstance(node, ast.ExceptHandler):  # taken when the body raised
         test = f"except {_text(node.type)}" if node.type is not None else "except"
+    own = own and not isinstance(node, _LOOPS)
     for child in ast.iter_child_nodes(node):
         if isinstance(child, (ast.stmt, ast.ExceptHandler, ast.match_case)):
-            _exits_in(child, test, call_line, found)
+            _exits_in(child, test, call_line, found, own)
 
 
 _GOES_FIRST = re.compile(r"(main|local_main)_process_first")  # accelerate's and transformers' context

@@ -13,7 +13,15 @@ from typing import Any
 from helpers import params
 from helpers.collectives import OBJECT_LISTS, ROOTS, canonical_op
 from helpers.doctor.records import Op, Position
-from helpers.doctor.source import enclosing_loop, loop_exits, loop_left, rank_condition, source_line
+from helpers.doctor.source import (
+    enclosing_loop,
+    loop_exits,
+    loop_left,
+    mentions_rank,
+    rank_condition,
+    source_line,
+)
+from helpers.sites import is_user_code
 from helpers.trace.callsites import DATALOADER_FILE, DATALOADER_READ
 
 NB_REPRO, NB_EARLY_STOP, NB_MEMORY = params.NB_REPRO, params.NB_EARLY_STOP, params.NB_MEMORY
@@ -93,6 +101,7 @@ CROSSED_P2P_CURE = (
 
 LOOP_RAN_OUT = "ran out first"  # in a summary: some ranks left a loop the others are still in
 LOOP_EXITS = "In that loop, "  # in a summary: the continue, break or return that can end a turn early
+EXIT_HEDGE = "if its condition can differ between ranks"  # in it: no exit is likely to differ
 LOOP_EXIT_CURE = (
     "Decide each skip and early exit of the loop on every rank together: reduce its condition across "
     "the ranks first, e.g. bad = accelerator.reduce(torch.tensor([float(condition)], "
@@ -183,24 +192,52 @@ def short_error(text: str | None) -> str:
     return first if len(first) <= 160 else first[:157] + "..."
 
 
-BY_FSDP = "issued by FSDP"  # a rank's detail: its Python call came from FSDP's hooks, not the user's code
+BY_FSDP = "issued by FSDP"  # a rank's detail: its Python call came from FSDP's code, not the user's
+FSDP_FORWARD = f"{BY_FSDP} inside forward(): the all-gather of its parameters"
+FSDP_STATE_DICT = f"{BY_FSDP} while it gathers the model's state dict"
 SHARDED_MODEL_ON_ONE_RANK_CURE = (
     "The collective is none of your calls: FSDP all-gathers a sharded model's parameters from every "
-    "rank in each forward (and reduce-scatters its gradients in backward). An FSDP model run on one rank "
-    "alone (evaluation or sampling under 'if accelerator.is_main_process:') waits for the other ranks "
-    "there: run it on every rank, or take its full state on every rank (torch.distributed.checkpoint."
-    "state_dict.get_model_state_dict with StateDictOptions(full_state_dict=True, cpu_offload=True)) "
-    "and run an unsharded copy on the one rank.")
+    "rank in its forward. An FSDP model run on one rank alone (evaluation or sampling under 'if "
+    "accelerator.is_main_process:') waits for the other ranks there: run it on every rank, or call "
+    "torch.distributed.checkpoint.state_dict.get_model_state_dict(model, options=StateDictOptions("
+    "full_state_dict=True, cpu_offload=True)) on every rank (a collective: rank 0 alone receives the "
+    "full state, the others an empty dict; accelerator.get_state_dict(model) does the same) and run an "
+    "unsharded copy on rank 0.")
+FSDP_STATE_DICT_CURE = (
+    "Under FSDP, taking the model's full state dict is a collective (every rank's shards are "
+    "gathered): call accelerator.get_state_dict(model) (or get_model_state_dict) on every rank, not "
+    "under 'if accelerator.is_main_process:'; rank 0 alone receives the full state (the others an "
+    "empty dict), so save it there.")
+_FSDP_CURES = {FSDP_FORWARD: SHARDED_MODEL_ON_ONE_RANK_CURE, FSDP_STATE_DICT: FSDP_STATE_DICT_CURE}
 
 
-def fsdp_call(stack: list[dict[str, Any]]) -> str:
-    """'issued by FSDP inside forward(): ...' when the stack runs FSDP's code (FSDP1 or
-    ``fully_shard``), whose hooks issue collectives the user's line never names; '' otherwise."""
-    if not any("/torch/distributed/fsdp/" in (frame.get("file") or "").replace("\\", "/") for frame in stack):
+def fsdp_call(stack: list[dict[str, Any]], op: str | None) -> str:
+    """What FSDP's code (FSDP1 or ``fully_shard``) was doing when it issued collective ``op`` from
+    the user's line (``FSDP_FORWARD``, ``FSDP_STATE_DICT``, its backward's reduce-scatter, or just
+    ``BY_FSDP``); '' unless FSDP's code runs below the stack's last user frame (a user's own
+    collective in a module FSDP wraps is the user's)."""
+    users = [index for index, frame in enumerate(stack)
+             if frame.get("user", is_user_code(frame.get("file") or ""))]
+    inner = stack[users[-1] + 1:] if users else stack
+    paths = [(frame.get("file") or "").replace("\\", "/") for frame in inner]
+    fsdp = [frame for frame, path in zip(inner, paths, strict=True) if "/torch/distributed/fsdp/" in path]
+    if not fsdp:
         return ""
-    if any(frame.get("func") in ("backward", "_engine_run_backward") for frame in stack):
-        return f"{BY_FSDP} inside backward(): a parameters' all-gather or the gradients' reduce-scatter"
-    return f"{BY_FSDP} inside forward(): the all-gather of its parameters"
+    names = " ".join(f"{frame.get('file')} {frame.get('func')}" for frame in fsdp)
+    backward = any("/torch/autograd/" in path for path in paths)
+    name = canonical_op((op or "").split(":", 1)[-1])
+    if "state_dict" in names:
+        return FSDP_STATE_DICT
+    if name.startswith("reduce_scatter"):
+        return f"{BY_FSDP} inside backward(): the gradients' reduce-scatter"
+    if name.startswith("all_gather"):
+        return f"{BY_FSDP} inside backward(): the all-gather of its parameters" if backward else FSDP_FORWARD
+    return BY_FSDP
+
+
+def fsdp_cure(detail: str) -> str | None:
+    """The cure for a rank that waits alone in a collective FSDP issued (``fsdp_call``), if any."""
+    return _FSDP_CURES.get(detail)
 
 
 def issued_by(stack: list[dict[str, Any]]) -> str:
@@ -461,19 +498,40 @@ def _left_loop(sites: dict[int, tuple[str, int] | None], leavers: list[int], sta
 
 def loop_exits_text(file: str, header: int, call_line: int) -> str:
     """' In that loop, the continue at train.py:13 (if torch.isnan(loss)) skips the rest of its
-    turn: ...' for the statements that can end a turn of the loop before the call at
-    ``call_line`` (``source.loop_exits``); '' when there are none."""
+    turn: it can end a turn on some ranks alone, ...' for the statements that can end a turn of the
+    loop before the call at ``call_line`` (``source.loop_exits``), hedged (``EXIT_HEDGE``) when none
+    is ``_telling``; '' when there are none."""
     exits = loop_exits(file, header, call_line)
     if not exits:
         return ""
     name = Path(file).name
     parts = [f"its test at {name}:{line} ({test}) ends it once false" if keyword == "while" else
-             f"the {keyword} at {name}:{line}{f' (if {test})' if test else ''} {_EXIT_EFFECTS[keyword]}"
+             f"the {keyword} at {name}:{line}{_exit_condition(test)} {_EXIT_EFFECTS[keyword]}"
              for keyword, line, test in exits[:3]]
     more = f" (and {len(exits) - 3} more)" if len(exits) > 3 else ""
     each = "each" if len(exits) > 1 else "it"
-    return (f" {LOOP_EXITS}{'; '.join(parts)}{more}: {each} can end a turn on some ranks alone, "
-            f"leaving them fewer collectives than the others.")
+    hedge = "" if any(_telling(*exit_) for exit_ in exits) else f"{EXIT_HEDGE}, "
+    return (f" {LOOP_EXITS}{'; '.join(parts)}{more}: {hedge}{each} can end a turn on some ranks alone, "
+            "leaving them fewer collectives than the others.")
+
+
+_PER_RANK = re.compile(r"\b(loss|nan|isnan|isinf|isfinite|inf|time|perf_counter|monotonic|random|rand|"
+                       r"randint|batch|len|grad|norm)\b", re.IGNORECASE)
+
+
+def _telling(keyword: str, _line: int, test: str) -> bool:
+    """Is a loop's exit likely to differ between ranks: a continue (it skips a turn's collectives,
+    where uneven data would end the loop instead), or a condition on the rank or on a value each
+    rank computes for itself (its loss, the clock, its batch)? ``if step >= max_steps: break`` is
+    not: it keeps its sentence, hedged, and the uneven-loop cure leads."""
+    return keyword == "continue" or mentions_rank(test) or bool(_PER_RANK.search(test))
+
+
+def _exit_condition(test: str) -> str:
+    """' (if x > 3)', ' (in except ValueError)', or '' for an exit taken unconditionally."""
+    if not test:
+        return ""
+    return f" (in {test})" if test.startswith("except") else f" (if {test})"
 
 
 def _site(op: Op, pos: Position | None) -> tuple[str, int] | None:
@@ -494,14 +552,17 @@ GOES_FIRST_CURE = (
 def goes_first_summary(key: tuple[str, int], present: dict[int, Op], inside: list[int],
                        header: str) -> str:
     """Ranks inside a ``main_process_first`` block issued a collective while the others wait in
-    the block's own barrier at ``header`` ('train.py:12')."""
+    the block's own barrier at ``header`` ('train.py:12'): the block runs on the main process (per
+    node, for ``local_main_process_first``) and on the others at different times, each side
+    waiting for the other in a barrier at the header (accelerate state.py ``_goes_first``)."""
     parts = _together([(rank, f"in {_op_name(op)}{' at ' + op.where if op.where else ''}"
                                + (" inside the main_process_first block" if rank in inside
                                   else ", that block's own barrier"))
                               for rank, op in sorted(present.items())])
     return (f"Ranks issued different collectives as collective #{key[1]}: " + "; ".join(parts)
-            + f". The block at {header} runs on the main process first while the others wait in its "
-            f"barrier, so {ranks_text(inside).lower()}'s collective inside it meets that barrier.")
+            + f". The block at {header} runs on the main process and on the others at different times, "
+            "each side waiting for the other in a barrier at its header, so a collective inside it meets "
+            "that barrier.")
 
 
 def root_summary(key: tuple[str, int], present: dict[int, Op], culprits: list[int]) -> str:
@@ -573,11 +634,16 @@ def _branch_text(pos: Position) -> str:
 
 
 def _own_branch(pos: Position) -> str:
-    """"'if accelerator.is_main_process:' at train.py:40": the branch on the rank around the
-    collective's own line ('' when there is none)."""
+    """"'if accelerator.is_main_process:' at train.py:40" (or "the else of 'if ...:' at ...", "'elif
+    ...:' at ..."): the branch on the rank around the collective's own line ('' when there is none)."""
     file, line = pos.file or (pos.op and pos.op.file), pos.line or (pos.op and pos.op.line)
     found = rank_condition(file, line) if pos.op is not None else None
-    return f"'if {found[1]}:' at {Path(file).name}:{found[0]}" if found else ""
+    if not found:
+        return ""
+    at, test, branch = f"{Path(file).name}:{found[0]}", found[1], found[2]
+    if branch == "else":
+        return f"the else of 'if {test}:' at {at}"
+    return f"'{branch} {test}:' at {at}"
 
 
 def _branch_site(pos: Position) -> str | None:
