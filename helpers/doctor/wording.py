@@ -545,8 +545,8 @@ def _site(op: Op, pos: Position | None) -> tuple[str, int] | None:
 
 GOES_FIRST_CURE = (
     "Take collectives out of a main_process_first block: it runs the block on the main process while "
-    "the other ranks wait in a barrier (wait_for_everyone), then on them, so a gather, reduce or "
-    "wait_for_everyone inside it meets that barrier. Issue it before or after the block, on every rank.")
+    "the other ranks wait in a barrier (wait_for_everyone), then on them, so a gather or reduce inside "
+    "it meets that barrier. Issue it before or after the block, on every rank.")
 
 
 def goes_first_summary(key: tuple[str, int], present: dict[int, Op], inside: list[int],
@@ -672,7 +672,8 @@ def extra_collective_summary(extra: list[int], positions: dict[int, Position]) -
     own = {_own_branch(positions[rank]) for rank in extra}  # one branch around every call: named
     branch = "a rank-dependent branch"
     if len(own) == 1 and "" not in own:
-        branch = f"the rank-dependent branch {own.pop()}"
+        named = own.pop()
+        branch = named if named.startswith("the else") else f"the rank-dependent branch {named}"
     text = (text[0].upper() + text[1:] + f" inside {branch}; {ranks_text(others).lower()} "
             f"never call{'s' if one else ''} it: {'it' if one else 'they'} finished "
             f"{'its' if one else 'their'} work{f' after collective #{last}' if last else ''}.")
