@@ -776,6 +776,29 @@ def test_a_call_from_fsdps_code_is_told_by_its_stack_below_the_users_last_frame(
     assert wording.fsdp_cure(wording.BY_FSDP) is None  # clip_grad_norm_'s all_reduce: no cure of its own
 
 
+def _skips_one_of_its_items():
+    import torch
+    import torch.distributed as dist
+
+    for index in range(3):  # line: items loop
+        if dist.get_rank() == 1 and index == 1:  # one rank's item is bad
+            continue  # line: item skip
+        dist.all_reduce(torch.tensor([float(index)]))
+
+
+def test_a_rank_that_finished_after_skipping_a_turn_is_named_with_the_continue(leftovers):
+    # rank 1 finishes after 2 calls; rank 0 waits in its 3rd: the rank-exited path names the loop's exit
+    found = _failed_run(_skips_one_of_its_items)
+    assert (found.kind, found.ranks) == ("rank-exited", [1]), found.summary
+    assert f"The loop at {HERE}:{_line('items loop')} ran out first on rank 1" in found.summary, found.summary
+    assert found.summary.endswith(
+        f"In that loop, the continue at {HERE}:{_line('item skip')} (if dist.get_rank() == 1 and index == 1) "
+        "skips the rest of its turn: it can end a turn on some ranks alone, leaving them fewer collectives "
+        "than the others."), found.summary
+    assert found.fix.startswith(wording.LOOP_EXIT_CURE + " " + wording.UNEVEN_LOOP_CURE), found.fix
+    leftovers.check()
+
+
 def test_a_loops_exits_are_its_own_continues_before_the_call_and_every_break_and_return(tmp_path):
     from helpers.doctor.source import loop_exits
 
