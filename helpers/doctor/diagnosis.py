@@ -672,10 +672,11 @@ def _divergence_kind(divergence, positions, histories, views):
     if kind == "collective-mismatch" and any(_cpp_call_in_rank_branch(positions[r], key, views.get(r))
                                              for r in culprits if r in positions):
         return kind, culprits, summary, wording.MODEL_ON_ONE_RANK_CURE
-    fsdp = next((cure for r in culprits
-                 if r in positions and (cure := _fsdp_call_in_rank_branch(positions[r], key))), None)
-    if kind == "collective-mismatch" and fsdp is not None:
-        return kind, culprits, summary, fsdp
+    if kind == "collective-mismatch":
+        fsdp = next((cure for r in culprits
+                     if r in positions and (cure := _fsdp_call_in_rank_branch(positions[r], key))), None)
+        if fsdp is not None:
+            return kind, culprits, summary, fsdp
     return kind, culprits, summary
 
 

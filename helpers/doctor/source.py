@@ -20,12 +20,13 @@ _rank_names_of: dict[str, dict] = {}  # a file's names of the rank, by scope (``
 
 
 def _tree(filename: str | None):
+    """A user's file parsed once per process, as (its tree, its lines); None when unreadable."""
     if not filename:
         return None
     if filename not in _trees:
         try:
             source = Path(filename).read_text()
-            _trees[filename] = (ast.parse(source), source)
+            _trees[filename] = (ast.parse(source), source.splitlines())
         except (OSError, SyntaxError, ValueError, RecursionError, MemoryError):  # RecursionError: nested
             _trees[filename] = None  # past what ast.parse builds (a chain of thousands of elifs)
     return _trees[filename]
@@ -61,7 +62,7 @@ def rank_condition(filename: str | None, line: int | None) -> tuple[int, str, st
             if ((_RANK_TEST.search(text) or _names_in(node.test) & _visible(derived, node.lineno))
                     and (found is None or node.lineno > found[0])):
                 in_else = bool(node.orelse) and line >= node.orelse[0].lineno
-                header = parsed[1].splitlines()[node.lineno - 1].lstrip() if node.lineno else ""
+                header = parsed[1][node.lineno - 1].lstrip() if node.lineno else ""
                 found = (node.lineno, _cut(text),
                          "else" if in_else else "elif" if header.startswith("elif") else "if")
     return found
@@ -241,7 +242,7 @@ def loop_exits(filename: str | None, loop_line: int | None,
     if parsed is None or loop_line is None or call_line is None:
         return []
     loops = [node for node in ast.walk(parsed[0])
-             if isinstance(node, (ast.For, ast.AsyncFor, ast.While)) and node.lineno == loop_line]
+             if isinstance(node, _LOOPS) and node.lineno == loop_line]
     if not loops:
         return []
     loop = loops[0]
@@ -302,7 +303,7 @@ def source_line(frame: dict[str, Any]) -> str:
     parsed = _tree(frame.get("file"))
     if parsed is None or not frame.get("line"):
         return ""
-    lines = parsed[1].splitlines()
+    lines = parsed[1]
     index = frame["line"] - 1
     return lines[index] if 0 <= index < len(lines) else ""
 

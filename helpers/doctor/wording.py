@@ -217,7 +217,7 @@ def fsdp_call(stack: list[dict[str, Any]], op: str | None) -> str:
     ``BY_FSDP``); '' unless FSDP's code runs below the stack's last user frame (a user's own
     collective in a module FSDP wraps is the user's)."""
     users = [index for index, frame in enumerate(stack)
-             if frame.get("user", is_user_code(frame.get("file") or ""))]
+             if (frame["user"] if "user" in frame else is_user_code(frame.get("file") or ""))]
     inner = stack[users[-1] + 1:] if users else stack
     paths = [(frame.get("file") or "").replace("\\", "/") for frame in inner]
     fsdp = [frame for frame, path in zip(inner, paths, strict=True) if "/torch/distributed/fsdp/" in path]
