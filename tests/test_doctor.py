@@ -1107,6 +1107,55 @@ def test_a_rank_waiting_outside_torch_is_said_to_wait_for_what_it_waits_for(left
     leftovers.check()
 
 
+def _ranks_waiting_for_a_file_lock(path: str):
+    import fcntl
+
+    import torch
+    import torch.distributed as dist
+    from filelock import FileLock
+
+    rank = dist.get_rank()
+    with open(path, "a") as handle:
+        if rank == 0:
+            fcntl.flock(handle, fcntl.LOCK_EX)  # held while it waits in the collective
+        dist.barrier()
+        if rank == 1:
+            with FileLock(path):  # line: filelock
+                pass
+        elif rank == 2:
+            fcntl.flock(handle, fcntl.LOCK_EX)  # line: flock
+        dist.all_reduce(torch.ones(2))  # line: locked
+
+
+def test_a_rank_waiting_for_a_file_lock_is_named_at_its_own_line_with_the_locks_cure(leftovers, tmp_path):
+    # filelock is an installed package: the rank's place is the user's line that called it, not
+    # filelock's polling loop; fcntl.flock called on the user's line is told from the line
+    found = doctor.run_function(_ranks_waiting_for_a_file_lock, kwargs={"path": str(tmp_path / "cache.lock")},
+                                num_processes=3, stall_s=2.0, timeout_s=60)
+    assert (found.kind, found.ranks) == ("rank-missing", [1, 2]), found.text()
+    assert (f"rank 1 is {wording.FILE_LOCK_WAIT} (filelock: another process holds it) at "
+            f"{HERE}:{_line('filelock')}; rank 2 is {wording.FILE_LOCK_WAIT} at {HERE}:{_line('flock')}."
+            ) in found.summary, found.summary
+    assert [row["location"] for row in found.rows()][1:] == [f"{HERE}:{_line('filelock')}",
+                                                            f"{HERE}:{_line('flock')}"]
+    assert found.fix.startswith(wording.FILE_LOCK_CURE), found.fix
+    leftovers.check()
+
+
+def test_a_rank_in_an_installed_packages_code_is_named_by_that_package_and_the_users_line():
+    user = {"file": "/work/train.py", "line": 9, "func": "<module>", "user": True, "where": "train.py:9"}
+    package = {"file": "/venv/lib/python3.11/site-packages/mycache/poll.py", "line": 41, "func": "wait_ready",
+               "user": True, "where": "poll.py:41"}
+    sleep = {"file": "<built-in>", "line": 0, "func": "sleep"}
+    assert wording.activity(1, user, [user, package, sleep]) == (
+        "sleeping in mycache's wait_ready (poll.py:41), called at train.py:9")
+    assert wording.activity(1, user, [user, package]).startswith("running in mycache's wait_ready")
+    assert wording.library_below(user, [user, {"file": "/usr/lib/python3.11/json/decoder.py"}]) is None
+    assert wording.installed_package("/x/dist-packages/pkg/mod.py") == "pkg"
+    assert wording.installed_package("/x/site-packages/six.py") == "six"  # a lone module
+    assert wording.installed_package("/work/train.py") is None
+
+
 class _BadRows:
     """Rows of which rank 1's fourth is corrupt: its worker raises."""
 

@@ -456,6 +456,7 @@ def _current(view: RankView) -> Position:
     if waited is not None:
         return waited
     pos = Position(view.rank, "outside-collective", seq=None)
+    frame = _own_frame(stack) or frame  # the user's own line: a package's is named by its activity
     if frame:
         pos.where, pos.file, pos.line = frame["where"], frame["file"], frame["line"]
         pos.detail = wording.activity(view.rank, frame, stack, view.silent, view.workers)
@@ -492,6 +493,15 @@ def _posted_p2p(view: RankView) -> list[Op]:
 def _innermost_user_frame(stack: list[dict[str, Any]]) -> dict[str, Any] | None:
     for frame in reversed(stack):
         if frame.get("user"):
+            return frame
+    return None
+
+
+def _own_frame(stack: list[dict[str, Any]]) -> dict[str, Any] | None:
+    """The innermost frame of the user's own files: user code that is not an installed package's
+    (a package in site-packages counts as the user's for a call site, not for where a rank waits)."""
+    for frame in reversed(stack):
+        if frame.get("user") and not any(part in str(frame.get("file")) for part in INSTALLED):
             return frame
     return None
 
@@ -553,6 +563,8 @@ def _classify(positions: dict[int, Position], histories: dict[int, dict], views:
         cures = [wording.INIT_CURE] if _waiting_in_init(positions) else []
         if wording.gave_up(positions):  # torch's timeout ended a wait: the missing rank may be slow
             cures.append(wording.TIMEOUT_CURE)
+        if any(positions[rank].detail.startswith(wording.FILE_LOCK_WAIT) for rank in missing):
+            cures.insert(0, wording.FILE_LOCK_CURE)
         return ("rank-missing", missing, wording.missing_summary(missing, positions), *cures)
     if all(p.state == "finished" for p in positions.values()):
         count = max((len(h) for h in histories.values()), default=0)

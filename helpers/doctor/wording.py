@@ -54,6 +54,7 @@ FIXES = {
 
 _WORKER_LOOP_FILE = "/torch/utils/data/_utils/worker.py"
 DATALOADER_WAIT = "waiting for a batch from its DataLoader's worker processes"
+FILE_LOCK_WAIT = "waiting for a file lock"  # a dataset or model cache's, most often (on shared storage)
 DATALOADER_CURE = (
     "Its DataLoader's worker processes have not delivered the next batch: a worker is slow or stuck "
     "in the dataset's __getitem__ or collate_fn, or died. DataLoader(..., timeout=S) makes the wait "
@@ -143,6 +144,15 @@ TIMEOUT_CURE = (
     "give it the time: a longer process-group timeout, set before the group exists (accelerate: "
     "Accelerator(kwargs_handlers=[InitProcessGroupKwargs(timeout=timedelta(minutes=60))]); torch's "
     "defaults: 10 minutes on NCCL, 30 on gloo), or do that work on every rank, or after the collective.")
+
+FILE_LOCK_CURE = (
+    "A file lock waits for the process that holds it: find that one on the rank's machine (fuser -v FILE, "
+    "or lsof FILE). When a rank of this job holds it while it waits in a collective (a cache it fills "
+    "under its lock), release the lock before the collective, or let the main process fill the cache "
+    "alone first: inside with accelerator.main_process_first(): the others wait in a barrier and then "
+    "read it. A lock taken with flock (filelock's FileLock on Unix) ends with its process; filelock's "
+    "SoftFileLock is the file itself, which a run killed on another machine can leave behind (recent "
+    "filelock writes the holder's pid and host into it): delete it once no run uses it.")
 
 CROSSED_GROUPS_CURE = (
     "Issue the collectives of groups that share ranks in one order on every rank (loop over the groups "
@@ -264,15 +274,40 @@ def activity(rank: int, frame: dict[str, Any], stack: list[dict[str, Any]], sile
         return f"{waits} at {frame['where']}" + (f" ({busy})" if busy else "")
     innermost = stack[-1] if stack else frame
     sleeping = innermost.get("func") == "sleep" or "time.sleep" in source_line(frame)
+    library = library_below(frame, stack)
+    if library is not None:  # a package it called holds it: named, with the user's line that called it
+        return f"{'sleeping' if sleeping else 'running'} in {library}, called at {frame['where']}"
     loop = enclosing_loop(frame.get("file"), frame.get("line"))
     where = f"in a loop at {Path(frame['file']).name}:{loop}" if loop is not None else f"at {frame['where']}"
     return f"sleeping {where}" if sleeping else where
+
+
+def library_below(frame: dict[str, Any], stack: list[dict[str, Any]]) -> str | None:
+    """"filelock's acquire (_api.py:344)": the innermost frame of an installed package that the
+    user's ``frame`` called, when one is below it (None when only the standard library is)."""
+    index = next((i for i, f in enumerate(stack) if f is frame), None)
+    called = stack[index + 1:] if index is not None else []
+    for below in reversed(called):
+        package = installed_package(str(below.get("file", "")))
+        if package is not None:
+            return f"{package}'s {below.get('func')} ({Path(below['file']).name}:{below.get('line')})"
+    return None
+
+
+def installed_package(path: str) -> str | None:
+    """The top-level package of a file under site-packages (or dist-packages); None elsewhere."""
+    parts = path.replace("\\", "/").split("/")
+    for marker in ("site-packages", "dist-packages"):
+        if marker in parts and parts.index(marker) + 1 < len(parts):
+            return parts[parts.index(marker) + 1].removesuffix(".py")  # a package, or a lone module
+    return None
 
 
 # what a rank waits for when the library code its line called is in one of these files (the first
 # match wins: a DataLoader waits on multiprocessing's queue, a child process on selectors)
 _WAITS = (
     (DATALOADER_FILE, None, DATALOADER_WAIT),
+    ("/filelock/", None, FILE_LOCK_WAIT + " (filelock: another process holds it)"),
     ("/subprocess.py", None, "waiting for a child process"),
     ("/concurrent/futures/", None, "waiting for a future's result"),
     ("/multiprocessing/pool.py", None, "waiting for a multiprocessing pool"),
@@ -286,7 +321,8 @@ _WAITS = (
     ("/selectors.py", None, "waiting on a socket or pipe"),
     ("/torch/cuda/__init__.py", {"synchronize"}, "waiting for the GPU (torch.cuda.synchronize)"),
 )
-_WAITING_LINES = ((re.compile(r"\.acquire\("), "waiting to acquire a lock"),
+_WAITING_LINES = ((re.compile(r"\b(flock|lockf)\("), FILE_LOCK_WAIT),
+                  (re.compile(r"\.acquire\("), "waiting to acquire a lock"),
                   (re.compile(r"(^|[^\w.])input\("), "waiting for input on stdin"))
 
 
