@@ -956,9 +956,12 @@ def test_an_object_list_broadcast_with_lists_of_other_lengths_names_the_ranks_un
     found = doctor.run_function(_object_lists_of_other_lengths, num_processes=3, stall_s=2.0, timeout_s=60)
     assert (found.kind, found.ranks) == ("shape-mismatch", [1, 2]), found.text()
     site = f"{HERE}:{_line('objects')}"
-    assert found.summary == (f"Ranks called broadcast_object_list at {site} (collective #1) with lists of "
-                             "different lengths: rank 0 a list of 3; ranks 1 and 2 a list of 1. "
-                             "Ranks 1 and 2 differ from the source, rank 0.")
+    said = (f"Ranks called broadcast_object_list at {site} (collective #1) with lists of different lengths: "
+            "rank 0 a list of 3; ranks 1 and 2 a list of 1. Ranks 1 and 2 differ from the source, rank 0.")
+    aborted = [row.rank for row in found.per_rank if row.exit_code == -signal.SIGABRT]
+    if aborted:  # gloo aborts a rank that receives more than its call expects: said, with why
+        said += f" {wording.ranks_text(aborted)} {'were' if len(aborted) > 1 else 'was'} killed by SIGABRT"
+    assert found.summary.startswith(said), found.summary
     assert found.fix.startswith(wording.OBJECT_LIST_CURE)
     assert [entry.shapes for entry in found.per_rank] == [[[3]], [[1]], [[1]]]
     leftovers.check()
@@ -1105,6 +1108,85 @@ def test_a_rank_waiting_outside_torch_is_said_to_wait_for_what_it_waits_for(left
             f"rank 3 is waiting to acquire a lock at {HERE}:{_line('lock')}.") in found.summary, found.summary
     assert found.fix.startswith(wording.DATALOADER_CURE)
     leftovers.check()
+
+
+def _logs_when_its_loss_is_high():
+    import torch
+    import torch.distributed as dist
+
+    torch.manual_seed(dist.get_rank())
+    loss = torch.rand(1)  # 0.50 on rank 0, 0.76 on rank 1
+    if loss.item() > 0.6:
+        dist.all_reduce(loss)  # line: logged
+    dist.all_reduce(torch.ones(9))  # line: grads
+
+
+def test_a_rank_gloo_aborts_in_a_call_the_others_did_not_make_is_named_with_its_condition(leftovers):
+    # rank 1's all_reduce of 1 float is paired with rank 0's of 9: gloo aborts rank 1 (SIGABRT) as
+    # more data arrives than its call expects; its condition is on a value each rank computes
+    found = _failed_run(_logs_when_its_loss_is_high)
+    assert (found.verdict, found.kind, found.ranks) == ("crash", "collective-mismatch", [1]), found.text()
+    assert f"Rank 1 was killed by SIGABRT inside all_reduce at {HERE}:{_line('logged')}" in found.summary
+    assert f"at {HERE}:{_line('grads')}" in found.summary, found.summary
+    assert wording.ABORT_CAUSES in found.summary, found.summary
+    assert (f"under 'if loss.item() > 0.6:' at {HERE}:{_line('logged') - 1}, {wording.DECIDES_ITSELF}"
+            in found.summary), found.summary
+    assert found.fix.startswith(wording.CONDITION_CURE), found.fix
+    leftovers.check()
+
+
+_BRANCHES = """\
+def step(rank, loss):
+    if rank == 0:
+        send(4)
+    else:
+        send(8)
+    if loss > 1.0:
+        log(loss)
+    grads()
+    if rank == 1:
+        return first()
+    return second()
+"""
+
+
+def test_calls_in_two_branches_of_one_if_are_told_from_a_call_under_an_if_and_one_after_it(tmp_path):
+    path = tmp_path / "steps.py"
+    path.write_text(_BRANCHES)
+    assert source.opposite_branches(str(path), 3, 5) and source.opposite_branches(str(path), 5, 3)
+    assert source.opposite_branches(str(path), 10, 11)  # the if's body returns: what follows is its else
+    assert not source.opposite_branches(str(path), 7, 8)  # a call under an if, and one after it
+    assert source.enclosing_condition(str(path), 7) == (6, "loss > 1.0", "if")
+    assert source.enclosing_condition(str(path), 5) == (2, "rank == 0", "else")
+    assert wording.decided_per_rank(str(path), 7) == (6, "loss > 1.0", "if")
+    assert wording.decided_per_rank(str(path), 5) is None  # a branch on the rank is named as such
+
+
+def test_a_rank_killed_inside_a_collective_is_placed_in_it_from_its_dying_stack(tmp_path):
+    # faulthandler's dump at SIGABRT; a dump asked for earlier (no 'Fatal Python error') places no one
+    from helpers.doctor.records import Op, Position, RankView
+
+    c10d = "/venv/lib/python3.11/site-packages/torch/distributed/distributed_c10d.py"
+    dump = ("Thread 0x01 (most recent call first):\n"
+            f'  File "{c10d}", line 3252 in all_reduce\n'
+            '  File "/work/train.py", line 17 in <module>\n')
+    view = RankView(1)
+    view.stack_text = dump
+    assert diagnosis_module._dying_call(view) is None
+    view.stack_text = "Fatal Python error: Aborted\n\n" + dump
+    dying = diagnosis_module._dying_call(view)
+    assert (dying.op, dying.where, dying.seq) == ("all_reduce", "train.py:17", None)
+    # the ranks' positions in one numbered collective, from different calls: a divergence the
+    # histories miss when their sources differ (a dead rank's records, the others' Flight Recorder)
+    dead = Position(1, "exited", op=Op("all_reduce", seq=5, shapes=[[]], where="train.py:17"), seq=5,
+                    where="train.py:17", exit_code=-6, abnormal=True)
+    fr = Op("gloo:all_reduce", seq=5, shapes=[[9]], source="flight-recorder")
+    ddp = Position(0, "in-collective", op=fr, seq=5, where="train.py:11")
+    key, groups, present = diagnosis_module._numbered_divergence_now({0: ddp, 1: dead})
+    assert key == ("0", 5) and len(groups) == 2 and present[0].where == "train.py:11"
+    assert diagnosis_module._numbered_divergence_now({0: ddp, 1: Position(1, "exited", exit_code=-6)}) is None
+    assert wording.aborted_note([dead, Position(2, "exited", op=dead.op, where="train.py:17")]).startswith(
+        " Ranks 1 and 2 were killed by SIGABRT inside all_reduce at train.py:17: gloo ends a rank")
 
 
 def _ranks_waiting_for_a_file_lock(path: str):

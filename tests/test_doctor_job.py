@@ -146,7 +146,7 @@ def test_a_killed_rank_is_named_not_its_echoes(script, tmp_path, leftovers):
     assert (data["verdict"], data["kind"], data["ranks"]) == ("crash", "rank-exited", [3]), data
     assert outcome.rank_codes[3] == -9
     assert any("rank 3 ended without a word" in note for note in data["notes"]), data["notes"]
-    assert "killed: no exception and no exit code" in data["summary"]
+    assert "killed (no exception and no exit code, e.g. SIGKILL) after its last collective" in data["summary"]
     # its last beat showed it in its first all_reduce; the others' later all_reduces say it went on
     assert (data["per_rank"][3]["op"], data["per_rank"][3]["location"]) == (None, _line("steps")), data
     leftovers.check()

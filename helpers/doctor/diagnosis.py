@@ -12,6 +12,7 @@ Kinds (stable names): ok, collective-mismatch, shape-mismatch, rank-missing, ran
 from __future__ import annotations
 
 import re
+import signal
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field, fields, replace
@@ -19,7 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from helpers import report
-from helpers.collectives import ALL_JOIN, INIT_OP, OBJECT_LISTS, ROOTS, SPLIT_OPS, canonical_op
+from helpers.collectives import ALL_JOIN, INIT_OP, OBJECT_LISTS, OPS, ROOTS, SPLIT_OPS, canonical_op
 from helpers.doctor import wording
 from helpers.doctor.records import Evidence, Op, Position, RankView, fr_op
 from helpers.doctor.source import (
@@ -27,6 +28,7 @@ from helpers.doctor.source import (
     enclosing_loop,
     faulthandler_stack,
     goes_first_block,
+    opposite_branches,
     rank_conditional,
     source_line,
 )
@@ -336,10 +338,32 @@ def _position(view: RankView) -> Position:
             pos.detail = "killed: no exception and no exit code, e.g. SIGKILL"
         if not any(not op.async_ for op in view.open.values()):
             pos.op = pos.seq = None  # its last progress note may be stale: do not guess an op
+            dying = _dying_call(view)  # unless the stack dumped at its fatal signal shows it in one
+            if dying is not None:
+                pos.op, (pos.where, pos.file, pos.line) = dying, (dying.where, dying.file, dying.line)
         last = next((op for op in reversed(view.python_ops()) if op.where), None)
         if pos.op is None and last is not None:
             pos.where, pos.file, pos.line = last.where, last.file, last.line
     return pos
+
+
+def _dying_call(view: RankView) -> Op | None:
+    """The collective a rank killed by a fatal signal was in, from the stack faulthandler dumped
+    as it died ('Fatal Python error: Aborted'): torch's Python function of the op, called from the
+    user's line. Its number and shapes are unknown (the record it queued died with it)."""
+    if _FATAL.search(view.stack_text or "") is None:
+        return None
+    stack = faulthandler_stack(view.stack_text[_FATAL.search(view.stack_text).start():])
+    frame = _innermost_user_frame(stack)
+    inside = next((f for f in reversed(stack) if f["func"] in OPS and "/torch/distributed/" in f["file"]),
+                  None)
+    if inside is None or frame is None:
+        return None
+    return Op(op=inside["func"], seq=None, where=frame["where"], file=frame["file"], line=frame["line"],
+              source="stack")
+
+
+_FATAL = re.compile(r"^Fatal Python error: ", re.MULTILINE)  # faulthandler's header at a fatal signal
 
 
 _COMM_ERROR = re.compile(r"gloo|nccl|Connection (reset|closed|refused)|DistBackendError|ProcessGroup|"
@@ -521,9 +545,16 @@ def _classify(positions: dict[int, Position], histories: dict[int, dict], views:
         divergence = python  # earlier, or as early and seen by more ranks (a killed rank has no FR)
         histories = python_histories  # what the ranks issued before it, as the same source tells
     if divergence is None:
-        divergence = _current_divergence(positions)
+        aborted = _aborted_on_different_calls(_exited_culprits(positions), positions)
+        if aborted is not None:
+            return _aborted_kind(*aborted, positions, views)
+        divergence = _numbered_divergence_now(positions) or _current_divergence(positions)
     if divergence is not None:
-        return _divergence_kind(divergence, positions, histories, views)
+        kind, culprits, summary, *cures = _divergence_kind(divergence, positions, histories, views)
+        aborted = [pos for pos in positions.values() if _aborted_inside(pos)]
+        if aborted and wording.ABORT_CAUSES not in summary:  # ranks gloo aborted in their call: how, why
+            summary += wording.aborted_note(aborted)
+        return kind, culprits, summary, *cures
     unpaired = _unpaired_own_splits(positions)
     if unpaired:
         return "shape-mismatch", *unpaired, wording.SPLIT_CURE
@@ -571,6 +602,35 @@ def _classify(positions: dict[int, Position], histories: dict[int, dict], views:
         return "ok", [], (f"All {len(positions)} ranks finished; their collectives matched "
                           f"({count} compared per rank).")
     return "unknown", [], wording.unknown_summary(positions)
+
+
+def _aborted_kind(culprits: list[int], dead: int, others: list[int], positions: dict[int, Position],
+                  views: dict[int, RankView]):
+    """The classification of ``_aborted_on_different_calls``'s finding."""
+    from_cpp = [rank for rank in others if _issued_from_cpp(positions[rank], views.get(rank))]
+    summary = wording.aborted_summary(dead, others, positions, from_cpp)
+    if wording.DECIDES_ITSELF in summary:
+        return "collective-mismatch", culprits, summary, wording.CONDITION_CURE
+    return "collective-mismatch", culprits, summary
+
+
+def _numbered_divergence_now(positions: dict[int, Position]):
+    """Ranks in one numbered collective now (or when they failed or died in it) from different calls,
+    seen in their positions: what the histories cannot show when their sources differ (a rank killed
+    before its Flight Recorder was read has its Python records alone, and the others' call, DDP's,
+    is in their Flight Recorder alone). (key, groups, present) as ``first_divergence`` gives it."""
+    by_key: dict[tuple[str, int], dict[int, Op]] = {}
+    for rank, pos in sorted(positions.items()):
+        if pos.op is not None and pos.seq is not None and not pos.op.p2p and pos.state in ("in-collective",
+                                                                                           "exited"):
+            op = replace(pos.op, where=pos.op.where or pos.where, file=pos.op.file or pos.file,
+                         line=pos.op.line or pos.line)
+            by_key.setdefault((pos.op.pg, pos.seq), {})[rank] = op
+    for key, present in sorted(by_key.items()):
+        groups = _grouped(present)
+        if len(present) > 1 and len(groups) > 1:
+            return key, groups, present
+    return None
 
 
 def _current_divergence(positions: dict[int, Position]):
@@ -672,15 +732,21 @@ def _divergence_kind(divergence, positions, histories, views):
     if len(ops) == 1 and len({sig[:2] for sig in groups}) == 1:  # the same call but for its root
         return "collective-mismatch", culprits, wording.root_summary(key, present, culprits)
     kind = "collective-mismatch" if len(ops) > 1 else "shape-mismatch"
-    if kind == "shape-mismatch" and _calls_of_other_functions(present):  # not one call given other sizes
+    if kind == "shape-mismatch" and (_calls_of_other_functions(present)  # not one call given other sizes
+                                     or _python_and_cpp_calls(present, key, positions, views)):
         kind = "collective-mismatch"
         summary = wording.divergence_summary(kind, key, present, culprits, positions)
         if wording.LOOP_RAN_OUT in summary:
             return kind, culprits, summary, *_loop_cures(summary)
-        return kind, culprits, wording.different_lines_summary(key, present)
+        summary = wording.different_lines_summary(key, present, culprits, positions)
+        if wording.DECIDES_ITSELF in summary:
+            return kind, culprits, summary, wording.CONDITION_CURE
+        return kind, culprits, summary
     summary = wording.divergence_summary(kind, key, present, culprits, positions)
     if kind == "collective-mismatch" and wording.LOOP_RAN_OUT in summary:  # a loop ran out first
         return kind, culprits, summary, *_loop_cures(summary)
+    if kind == "collective-mismatch" and wording.DECIDES_ITSELF in summary:
+        return kind, culprits, summary, wording.CONDITION_CURE
     if kind == "collective-mismatch" and any(_cpp_call_in_rank_branch(positions[r], key, views.get(r))
                                              for r in culprits if r in positions):
         return kind, culprits, summary, wording.MODEL_ON_ONE_RANK_CURE
@@ -747,15 +813,31 @@ def _same_call(op: Op, other: Op) -> bool:
     return op.where == other.where and op.signature() == other.signature()
 
 
+def _python_and_cpp_calls(present: dict[int, Op], key: tuple[str, int], positions: dict[int, Position],
+                          views: dict[int, RankView]) -> bool:
+    """Did some ranks issue collective ``key`` from a Python call and others from C++ (DDP's gradient
+    all-reduce, no Python call), as the ranks in it now show? Those are two calls, never one."""
+    cpp = [rank for rank in present if rank in positions and positions[rank].op is not None
+           and (positions[rank].op.pg, positions[rank].seq) == key and _issued_from_cpp(positions[rank],
+                                                                                       views.get(rank))]
+    return bool(cpp) and any(present[rank].where and rank not in cpp for rank in present)
+
+
 def _calls_of_other_functions(present: dict[int, Op]) -> bool:
-    """Did the ranks issue one numbered collective from lines in different functions (a thread of
-    their own on some ranks, another path)? Lines of one function (an ``if rank == 0:`` with an
-    ``else:``) are one call site's branches, sized differently; and a rooted or object-list op is
-    most often written once per branch."""
+    """Did the ranks issue one numbered collective from different calls: lines in different functions
+    (a thread of their own on some ranks, another path), or in one function but not in different
+    branches of one ``if`` (a call under an ``if`` and one after it)? Lines in an ``if rank == 0:``
+    and its ``else:`` are one call site's branches, sized differently; and a rooted or object-list op
+    is most often written once per branch."""
     if any(canonical_op(op.op) in ROOTS or canonical_op(op.op) in OBJECT_LISTS for op in present.values()):
         return False
-    sites = {(op.file, op.line) for op in present.values() if op.file and op.line}
-    return len({(file, enclosing_function(file, line)) for file, line in sites}) > 1
+    sites = sorted({(op.file, op.line) for op in present.values() if op.file and op.line})
+    if len({(file, enclosing_function(file, line)) for file, line in sites}) > 1:
+        return True
+    # one function: the lines are one call's branches only when they sit in different branches of an
+    # if (if/else), not a call under an if and one after it
+    return any(not opposite_branches(file, line, other_line)
+               for (file, line), (_other, other_line) in zip(sites, sites[1:], strict=False))
 
 
 def split_mismatch(present: dict[int, Op]) -> list[tuple[int, int, int, int]]:
@@ -848,6 +930,9 @@ def _odd_ones_out(groups: dict[tuple, list[int]], present: dict[int, Op], histor
                    or (r in now and rank_branch(now[r]) is not None)]
     if conditional and len(conditional) < len(everyone):
         return conditional
+    deciding = [r for r in everyone if wording.decided_per_rank(present[r].file, present[r].line)]
+    if deciding and len(deciding) < len(everyone):  # 'if time.time() - last > 30:', 'if loss < best:'
+        return deciding
     largest = max(groups.values(), key=len)
     if len(largest) * 2 > len(everyone):
         return [r for r in everyone if r not in largest]
@@ -958,6 +1043,41 @@ def _extra_collectives(positions: dict[int, Position], exited: list[int]) -> lis
                           or rank_branch(p) is None for p in calling):
         return []
     return sorted(p.rank for p in calling)
+
+
+def _aborted_inside(pos: Position) -> bool:
+    """Was the rank killed by SIGABRT inside a collective (its open record, or its dying stack)?"""
+    return (pos.state == "exited" and pos.exit_code == -signal.SIGABRT and pos.op is not None
+            and not pos.victim)
+
+
+def _aborted_on_different_calls(exited: list[int], positions: dict[int, Position]):
+    """One rank killed by SIGABRT inside a collective while every other rank was inside one (or
+    failed in one as it died), some in a different call (another op, or another line): gloo aborts
+    a rank whose collective receives more data than its own call expects ('Received data size
+    doesn't match expected size. Is there a distributed collective mismatch in your code?',
+    gloo/transport/tcp/pair.cc), and NCCL's watchdog a rank whose collective timed out. Those calls
+    were paired as one collective.
+
+    (culprits, the dead rank, the ranks in another call) or None. Culprits: the ranks in a branch on
+    the rank, else on a value each rank decides for itself, else the fewer side, else every rank."""
+    if len(exited) != 1 or not _aborted_inside(positions[exited[0]]):
+        return None
+    dead = positions[exited[0]]
+    others = [p for p in positions.values() if p.rank != dead.rank]
+    if not others or any(p.op is None or not (p.state == "in-collective" or p.victim)
+                                           or (None not in (p.seq, dead.seq) and p.seq != dead.seq)
+                                           for p in others):
+        return None  # some rank was in no collective, or (by their numbers) in another one
+    call = (canonical_op(dead.op.op), dead.where)
+    different = [p.rank for p in others if (canonical_op(p.op.op), p.where) != call]
+    if not different:
+        return None
+    present = {p.rank: replace(p.op, shapes=None) for p in positions.values()}  # the dead rank's are unknown
+    groups: dict[tuple, list[int]] = {}
+    for p in positions.values():
+        groups.setdefault((canonical_op(p.op.op), p.where), []).append(p.rank)
+    return _odd_ones_out(groups, present, {}, (dead.op.pg, -1), positions), dead.rank, different
 
 
 def _own_errors(positions: dict[int, Position]) -> list[int]:

@@ -299,7 +299,7 @@ def read_folder(folder: str | Path, ranks: range, strict: bool = False,
         else:
             read_new_records(view, rundir.trace_path(folder, rank))
             view.state = _lenient_json(rundir.state_path(folder, rank))
-        view.stack_text = _read_text(rundir.stack_path(folder, rank))
+        view.stack_text = read_text(rundir.stack_path(folder, rank))
         views[rank] = view
     return views
 
@@ -311,7 +311,8 @@ def _lenient_json(path: Path) -> dict[str, Any] | None:
         return None
 
 
-def _read_text(path: Path) -> str:
+def read_text(path: Path) -> str:
+    """A file's text, or '' when it is missing or unreadable (stacks are auxiliary)."""
     try:
         return path.read_text(errors="replace")
     except OSError:  # stacks are auxiliary: a missing or unreadable file is no stack

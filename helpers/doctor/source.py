@@ -49,23 +49,70 @@ def rank_condition(filename: str | None, line: int | None) -> tuple[int, str, st
     parsed = _tree(filename)
     if parsed is None or line is None:
         return None
-    tree = parsed[0]
     if filename not in _rank_names_of:
-        _rank_names_of[filename] = _rank_names(tree)
+        _rank_names_of[filename] = _rank_names(parsed[0])
     derived = _rank_names_of[filename]
-    found = None
-    for node in ast.walk(tree):
-        if isinstance(node, ast.If) and node.lineno < line <= (node.end_lineno or 0):
-            if _against_minus_one(node.test):  # 'if local_rank != -1:': distributed or not, on every rank
+    for node, found in _conditions_around(parsed, line):
+        if _against_minus_one(node.test):  # 'if local_rank != -1:': distributed or not, on every rank
+            continue
+        if _RANK_TEST.search(found[1]) or _names_in(node.test) & _visible(derived, node.lineno):
+            return found
+    return None
+
+
+def enclosing_condition(filename: str | None, line: int | None) -> tuple[int, str, str] | None:
+    """The innermost ``if`` around ``line``, whatever its test, as ``rank_condition`` gives it."""
+    parsed = _tree(filename)
+    if parsed is None or line is None:
+        return None
+    return next((found for _node, found in _conditions_around(parsed, line)), None)
+
+
+def opposite_branches(filename: str | None, line: int, other: int) -> bool:
+    """Are two lines in different branches of one ``if``, so that either runs, never both (one call
+    site written once per branch)? Its body and its else (or elif); or, for an ``if`` whose body
+    ends in a return, raise, break or continue, its body and the statements after it."""
+    parsed = _tree(filename)
+    if parsed is None:
+        return False
+    for block in _statement_lists(parsed[0]):
+        for index, node in enumerate(block):
+            if not isinstance(node, ast.If):
                 continue
-            text = _text(node.test)
-            if ((_RANK_TEST.search(text) or _names_in(node.test) & _visible(derived, node.lineno))
-                    and (found is None or node.lineno > found[0])):
-                in_else = bool(node.orelse) and line >= node.orelse[0].lineno
-                header = parsed[1][node.lineno - 1].lstrip() if node.lineno else ""
-                found = (node.lineno, _cut(text),
-                         "else" if in_else else "elif" if header.startswith("elif") else "if")
-    return found
+            rest = node.orelse or (block[index + 1:] if isinstance(node.body[-1], _LEAVES) else [])
+            if rest and ((_within(node.body, line) and _within(rest, other))
+                         or (_within(rest, line) and _within(node.body, other))):
+                return True
+    return False
+
+
+_LEAVES = (ast.Return, ast.Raise, ast.Break, ast.Continue)  # a block's statements after it never run
+
+
+def _statement_lists(tree: ast.AST):
+    """Every list of statements in ``tree`` (bodies, else blocks, handlers')."""
+    for node in ast.walk(tree):
+        for name in ("body", "orelse", "finalbody"):
+            block = getattr(node, name, None)
+            if isinstance(block, list) and block and isinstance(block[0], ast.stmt):
+                yield block
+
+
+def _within(statements: list[ast.stmt], number: int) -> bool:
+    return statements[0].lineno <= number <= (statements[-1].end_lineno or 0)
+
+
+def _conditions_around(parsed: tuple[ast.AST, list[str]], line: int):
+    """The ``if`` statements whose bodies hold ``line``, innermost first: (node, (its line, its
+    test's text cut, "if", "elif" or "else"))."""
+    around = sorted((node for node in ast.walk(parsed[0])
+                     if isinstance(node, ast.If) and node.lineno < line <= (node.end_lineno or 0)),
+                    key=lambda node: node.lineno, reverse=True)
+    for node in around:
+        in_else = bool(node.orelse) and line >= node.orelse[0].lineno
+        header = parsed[1][node.lineno - 1].lstrip() if node.lineno else ""
+        yield node, (node.lineno, _cut(_text(node.test)),
+                     "else" if in_else else "elif" if header.startswith("elif") else "if")
 
 
 def _cut(text: str) -> str:

@@ -20,7 +20,7 @@ from typing import Any
 
 from helpers import params, report, rundir, trace
 from helpers.doctor.diagnosis import Diagnosis, diagnose
-from helpers.doctor.records import RankView, read_new_records
+from helpers.doctor.records import RankView, read_new_records, read_text
 from helpers.doctor.source import faulthandler_stack
 from helpers.launch import LaunchError, LaunchTimeout, RankError, RankExited, Run, Watcher, rank_failure
 
@@ -137,6 +137,9 @@ class Doctor(Watcher):
         end = time.monotonic() + EVIDENCE_WAIT_S
         for rank, text in stacks.items():
             self.views[rank].stack_text = text
+        for rank, view in self.views.items():  # a rank already gone: the stack faulthandler dumped as it died
+            if rank not in stacks and not view.stack_text:
+                view.stack_text = read_text(run.stack_file(rank))
         while time.monotonic() < end:
             self._refresh(run)
             self._read_states(run, tag)

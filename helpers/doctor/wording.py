@@ -14,6 +14,7 @@ from helpers import params
 from helpers.collectives import OBJECT_LISTS, ROOTS, canonical_op
 from helpers.doctor.records import Op, Position
 from helpers.doctor.source import (
+    enclosing_condition,
     enclosing_loop,
     loop_exits,
     loop_left,
@@ -250,11 +251,14 @@ def fsdp_cure(detail: str) -> str | None:
     return _FSDP_CURES.get(detail)
 
 
+_DDP_BACKWARD = "issued by DDP inside backward(): the gradient all-reduce"
+
+
 def issued_by(stack: list[dict[str, Any]]) -> str:
     """Who issued a collective that no Python wrapper saw (DDP from C++, most often)."""
     names = {(Path(f["file"]).name, f["func"]) for f in stack}
     if any(func in ("backward", "_engine_run_backward") for _file, func in names):
-        return "issued by DDP inside backward(): the gradient all-reduce"
+        return _DDP_BACKWARD
     if any(file == "distributed.py" and func in ("forward", "_pre_forward") for file, func in names):
         return "issued by DDP inside forward(): buffers or bucket order"
     return "issued outside Python (no Python wrapper saw it)"
@@ -425,16 +429,58 @@ def _rows(count: int) -> str:
     return f"{count} row" if count == 1 else f"{count} rows"
 
 
-def different_lines_summary(key: tuple[str, int], present: dict[int, Op]) -> str:
+def different_lines_summary(key: tuple[str, int], present: dict[int, Op], culprits: list[int],
+                            positions: dict[int, Position]) -> str:
     """The ranks issued one op, with different shapes, as one numbered collective from different
     lines: not one call given other sizes, but different calls that took the same number."""
     op = next(iter(present.values()))
-    parts = [f"rank {r} {shapes_text(o.shapes) or 'unknown shape'} {','.join(o.dtypes or [])}".strip()
-             + (f" at {o.where}" if o.where else "") for r, o in sorted(present.items())]
+    said = []
+    for rank, each in sorted(present.items()):
+        where, extra = _where_now(each, positions.get(rank), key[1])
+        text = f"{shapes_text(each.shapes) or 'unknown shape'} {','.join(each.dtypes or [])}".strip()
+        said.append((rank, text + (f" at {where}" if where else "") + extra))
     return (f"Ranks called {_op_name(op)} as collective #{key[1]} from different lines, with different "
-            "shapes or dtypes: " + "; ".join(parts) + ". On some ranks another call took this number: "
-            "the ranks took different paths, or a thread of their own issues collectives on the same "
-            "group, in a different order on each rank.")
+            "shapes or dtypes: " + "; ".join(_together(said)) + ". On some ranks another call took this "
+            "number: the ranks took different paths, or a thread of their own issues collectives on the "
+            "same group, in a different order on each rank." + _deciding_text(culprits, present, " "))
+
+
+def _where_now(op: Op, pos: Position | None, seq: int) -> tuple[str | None, str]:
+    """A rank's call site for collective ``seq`` (its position's, when it is in that one now and the
+    op has none: DDP's) and who issued it (', issued by DDP inside backward(): ...'), or ''."""
+    where, extra = op.where, ""
+    if pos is not None and pos.op is not None and pos.seq == seq:  # where the rank is now
+        where = where or pos.where
+        if pos.detail.startswith(("issued", BY_FSDP)):
+            extra = f", {pos.detail}"
+        elif op.where is None and pos.where and pos.op.source == "flight-recorder":  # no Python call: C++'s
+            extra = ", " + issued_from_cpp_at(pos)
+    return where, extra
+
+
+def issued_from_cpp_at(pos: Position) -> str:
+    """Who issued a collective no Python call did, from the user's line it came from: DDP's gradient
+    all-reduce from a line that calls backward(), else 'issued outside Python'."""
+    if "backward(" in source_line({"file": pos.file, "line": pos.line}):
+        return _DDP_BACKWARD
+    return "issued outside Python (no Python wrapper saw it)"
+
+
+def _deciding_text(culprits: list[int], present: dict[int, Op], form: str) -> str:
+    """The one condition on a per-rank value around the culprits' calls (``decided_per_rank``):
+    form ' ' gives a sentence ('Ranks 0 and 3's call is under ..., a condition each rank decides for
+    itself.'), form '(' a parenthesis (' (their call is under ...)'); '' when there is none."""
+    deciding = {(op.file, found) for rank in culprits if (op := present.get(rank)) is not None
+                and (found := decided_per_rank(op.file, op.line))}
+    if len(deciding) != 1:
+        return ""
+    file, found = deciding.pop()
+    under = f"under {_branch_words(found, file)}, {DECIDES_ITSELF}"
+    if form == "(":
+        return f" ({'its' if len(culprits) == 1 else 'their'} call is {under})"
+    if len(culprits) > 1:
+        return f" The calls of {ranks_text(culprits).lower()} are {under}."
+    return f" {ranks_text(culprits)}'s call is {under}."
 
 
 def divergence_summary(kind: str, key: tuple[str, int], present: dict[int, Op], culprits: list[int],
@@ -464,12 +510,7 @@ def divergence_summary(kind: str, key: tuple[str, int], present: dict[int, Op], 
                 + _different_path(present, culprits, positions))
     said = []
     for rank, op in sorted(present.items()):
-        where, extra = op.where, ""
-        pos = positions.get(rank)
-        if pos is not None and pos.op is not None and pos.seq == seq:  # where the rank is now
-            where = where or pos.where
-            if pos.detail and (pos.op.source == "flight-recorder" or pos.detail.startswith(BY_FSDP)):
-                extra = f", {pos.detail}"
+        where, extra = _where_now(op, positions.get(rank), seq)
         said.append((rank, f"in {_op_name(op)}{' at ' + where if where else ''}{extra}"))
     return (f"Ranks issued different collectives as collective #{seq}: " + "; ".join(_together(said)) + "."
             + _different_path(present, culprits, positions))
@@ -505,6 +546,8 @@ def _different_path(present: dict[int, Op], culprits: list[int], positions: dict
         tests = [f"rank {rank}'s call under {test}" for rank in culprits if rank in positions
                  and (test := _own_branch(positions[rank]))]
         inside = f" ({'; '.join(tests)})" if tests else ""
+    if not inside:  # one condition on a per-rank value around the culprits' calls
+        inside = _deciding_text(culprits, present, "(")
     return f" {ranks_text(culprits)} took a different path from {_others_text(others)}{inside}."
 
 
@@ -634,6 +677,70 @@ def exited_summary(culprits: list[int], positions: dict[int, Position]) -> str:
     return text + "."
 
 
+ABORT_CAUSES = (
+    "gloo ends a rank this way when its collective receives more data than its own call expects (its "
+    "log: 'Received data size doesn't match expected size. Is there a distributed collective mismatch "
+    "in your code?'), and NCCL's watchdog when a collective times out.")
+PAIRED_APART = "Those calls were paired as one collective: " + ABORT_CAUSES
+
+
+def aborted_note(aborted: list[Position]) -> str:
+    """' Rank 1 was killed by SIGABRT inside all_reduce at train.py:17: gloo ends a rank this way ...'
+    for the ranks killed by SIGABRT inside a collective (those in one call named together)."""
+    calls: dict[str, list[int]] = {}
+    for pos in aborted:
+        calls.setdefault(f"{_op_name(pos.op)}{_at(pos)}", []).append(pos.rank)
+    said = [f"{ranks_text(ranks)} {'were' if len(ranks) > 1 else 'was'} killed by SIGABRT inside {call}"
+            for call, ranks in calls.items()]
+    return f" {'; '.join(said)}: {ABORT_CAUSES}"
+
+
+def aborted_summary(dead: int, different: list[int], positions: dict[int, Position],
+                    from_cpp: list[int]) -> str:
+    """'Rank 1 was killed by SIGABRT inside all_reduce at train.py:17 while rank 0 was in all_reduce at
+    train.py:11, issued by DDP inside backward(): ...; those calls were paired as one collective ...'
+    (``diagnosis._aborted_on_different_calls``); ``from_cpp``: the ranks whose collective no Python
+    call issued (DDP's, from C++)."""
+    pos = positions[dead]
+    said = []
+    for other in sorted(different):
+        op, at = positions[other].op, positions[other]
+        issued = ", " + issued_from_cpp_at(at) if other in from_cpp else ""
+        said.append((other, f"in {_op_name(op)}{_at(at)}{issued}"))
+    calls = "; ".join(_together(said))
+    return (f"Rank {dead} was {pos.detail} inside {_op_name(pos.op)}{_at(pos)} while other ranks were in "
+            f"other calls: {calls}. {PAIRED_APART}{_deciding_condition(pos)}")
+
+
+def _deciding_condition(pos: Position) -> str:
+    """' Rank 1's call is under 'if time.time() - last > 30:' at train.py:16, a condition each rank
+    decides for itself.' (``decided_per_rank``), or '..., a branch on the rank.'; '' otherwise."""
+    on_rank = rank_condition(pos.file, pos.line)
+    found = on_rank or decided_per_rank(pos.file, pos.line)
+    if found is None:
+        return ""
+    what = "a branch on the rank" if on_rank else DECIDES_ITSELF
+    return f" Rank {pos.rank}'s call is under {_branch_words(found, pos.file)}, {what}."
+
+
+def decided_per_rank(file: str | None, line: int | None) -> tuple[int, str, str] | None:
+    """The innermost ``if`` around a line when its test is on a value each rank computes for itself
+    (its loss, the clock, a random draw: ``_PER_RANK``), not on the rank ('' for those: the branch on
+    the rank is named as such); None otherwise."""
+    found = enclosing_condition(file, line)
+    if found is None or mentions_rank(found[1]) or not _PER_RANK.search(found[1]):
+        return None
+    return found
+
+
+DECIDES_ITSELF = "a condition each rank decides for itself"
+CONDITION_CURE = (
+    "Decide a condition around a collective alike on every rank: count steps instead of reading the "
+    "clock (if step % log_every == 0:), or reduce the condition across the ranks first (flag = "
+    "accelerator.reduce(torch.tensor([float(condition)], device=accelerator.device), 'sum').item() > 0) "
+    "and take the branch on every rank when any rank would.")
+
+
 def loop_ran_longer(loop: str, finished: list[int], positions: dict[int, Position]) -> str:
     """' The loop at gen.py:8 ran out first on rank 1: its last collective was #2 at gen.py:10, the
     call the others still wait in as #3.'"""
@@ -656,7 +763,12 @@ def _ended_how(pos: Position, several: bool) -> str:
     if pos.detail.startswith("raised"):
         return pos.detail + _at(pos)
     if pos.detail.startswith("killed"):
-        how = f"{'were' if several else 'was'} {pos.detail}"
+        killed = pos.detail  # 'killed: no exception and no exit code, ...' reads 'killed (no exception ...)'
+        if killed.startswith("killed: "):
+            killed = f"killed ({killed.removeprefix('killed: ')})"
+        how = f"{'were' if several else 'was'} {killed}"
+        if pos.op is not None and pos.where:  # in that call as it died (its open record, or its last stack)
+            return f"{how} inside {_op_name(pos.op)}{_at(pos)}"
     else:  # a rank without any record (it ended before its first reached the doctor): no detail
         how = f"ended ({pos.detail})" if pos.detail else "ended, nothing of it seen (no record, no exit code)"
     return how + (f" after {'their' if several else 'its'} last collective{_at(pos)}" if pos.where else "")
@@ -676,6 +788,12 @@ def _own_branch(pos: Position) -> str:
     found = rank_condition(file, line) if pos.op is not None else None
     if not found:
         return ""
+    return _branch_words(found, file)
+
+
+def _branch_words(found: tuple[int, str, str], file: str) -> str:
+    """"'if x:' at train.py:7", "the else of 'if x:' at ...", "'elif x:' at ...": an ``if`` as
+    ``source.rank_condition`` gives it."""
     at, test, branch = f"{Path(file).name}:{found[0]}", found[1], found[2]
     if branch == "else":
         return f"the else of 'if {test}:' at {at}"
