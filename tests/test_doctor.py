@@ -753,6 +753,18 @@ def test_an_fsdp_model_run_on_one_rank_is_named_as_fsdps_all_gather_with_the_sha
     leftovers.check()
 
 
+def test_a_collective_no_python_call_issued_is_told_by_the_ddp_frames_on_its_stack():
+    user = {"file": "/work/train.py", "func": "<module>", "user": True}
+    ddp = "/venv/site-packages/torch/nn/parallel/distributed.py"
+    def said(func: str, file: str = ddp) -> str:
+        return wording.issued_by([user, {"file": file, "func": func}])
+
+    assert said("__init__").startswith("issued by DDP's constructor")
+    assert said("_pre_forward").startswith("issued by DDP inside forward()")
+    assert said("_engine_run_backward", "/venv/torch/autograd/graph.py").startswith("issued by DDP inside backward()")
+    assert wording.issued_by([user]) == "issued outside Python (no Python wrapper saw it)"
+
+
 def test_a_call_from_fsdps_code_is_told_by_its_stack_below_the_users_last_frame():
     site = "/site-packages/torch/distributed/"
     user = {"file": "/work/train.py", "func": "<module>", "user": True}
@@ -1187,6 +1199,41 @@ def test_a_rank_killed_inside_a_collective_is_placed_in_it_from_its_dying_stack(
     assert diagnosis_module._numbered_divergence_now({0: ddp, 1: Position(1, "exited", exit_code=-6)}) is None
     assert wording.aborted_note([dead, Position(2, "exited", op=dead.op, where="train.py:17")]).startswith(
         " Ranks 1 and 2 were killed by SIGABRT inside all_reduce at train.py:17: gloo ends a rank")
+
+
+def _retries_with_a_smaller_batch_on_one_rank():
+    import torch
+    import torch.distributed as dist
+    from accelerate.utils import find_executable_batch_size
+
+    @find_executable_batch_size(starting_batch_size=64)
+    def train(batch_size):
+        gathered = [torch.zeros(1) for _ in range(dist.get_world_size())]
+        dist.all_gather(gathered, torch.ones(1))  # line: setup
+        for step in range(3):
+            if dist.get_rank() == 1 and batch_size == 64 and step == 1:  # its allocator gives up
+                raise RuntimeError("DefaultCPUAllocator: can't allocate memory: you tried to allocate 1 GB")
+            dist.all_reduce(torch.ones(batch_size))  # line: step
+
+    train()
+
+
+def test_a_rank_that_find_executable_batch_size_retried_alone_is_named_with_the_batch_sizes(leftovers):
+    # accelerate lowers the batch size on rank 1 alone and calls train() again there: rank 1 is
+    # back in the setup's all_gather while rank 0 waits in the loop's all_reduce
+    found = _hung_run(_retries_with_a_smaller_batch_on_one_rank)
+    assert (found.kind, found.ranks) == ("collective-mismatch", [1]), found.text()
+    assert (f"rank 0 in all_reduce at {HERE}:{_line('step')}; rank 1 in all_gather at {HERE}:{_line('setup')}"
+            in found.summary), found.summary
+    # 57 (x0.9), or 32 (x0.5, an older accelerate)
+    lowered = int(found.summary.rsplit("rank 1 at ", 1)[-1].split(" ", 1)[0])
+    assert 0 < lowered < 64
+    assert found.summary.endswith(
+        " The ranks run accelerate's find_executable_batch_size with different batch sizes: rank 0 at 64; "
+        f"rank 1 at {lowered} (lowered after an out-of-memory error on that rank, which then called the "
+        "function again alone)."), found.summary
+    assert found.fix.startswith(wording.BATCH_SIZE_CURE), found.fix
+    leftovers.check()
 
 
 def _ranks_waiting_for_a_file_lock(path: str):

@@ -154,6 +154,11 @@ def diagnose(views: dict[int, RankView], num_processes: int, reason: str,
                  for rank in range(num_processes)}
     histories = {rank: history(view) for rank, view in views.items()}
     kind, culprits, summary, *cures = _classify(positions, histories, views)  # a cure the evidence tells
+    sizes = _batch_sizes(views)
+    if kind != "ok" and len(set(sizes.values())) > 1:  # find_executable_batch_size retried on some alone
+        culprits = sorted(rank for rank, size in sizes.items() if size < max(sizes.values()))
+        summary += wording.batch_sizes_text(sizes)
+        cures = [wording.BATCH_SIZE_CURE, *cures]
     verdict = _verdict(kind, reason, positions)
     if verdict == "ok":
         detected_after_s = None
@@ -162,6 +167,18 @@ def diagnose(views: dict[int, RankView], num_processes: int, reason: str,
                         reason=reason, detected_at=time.time())
     fix = wording.fix(kind, [positions[rank] for rank in culprits if rank in positions], cures)
     return Diagnosis(verdict, kind, culprits, summary, fix, detected_after_s, per_rank, evidence)
+
+
+def _batch_sizes(views: dict[int, RankView]) -> dict[int, int]:
+    """The batch size each rank's accelerate find_executable_batch_size runs with now, where its
+    stack shows one (``helpers.trace.callsites.describe_stack``): its innermost."""
+    sizes = {}
+    for rank, view in views.items():
+        found = [frame["batch_size"] for frame in (view.state or {}).get("stack") or []
+                 if isinstance(frame.get("batch_size"), int)]
+        if found:
+            sizes[rank] = found[-1]
+    return sizes
 
 
 def _close_passed(views: dict[int, RankView]) -> None:

@@ -146,6 +146,14 @@ TIMEOUT_CURE = (
     "Accelerator(kwargs_handlers=[InitProcessGroupKwargs(timeout=timedelta(minutes=60))]); torch's "
     "defaults: 10 minutes on NCCL, 30 on gloo), or do that work on every rank, or after the collective.")
 
+BATCH_SIZE_CURE = (
+    "accelerate's find_executable_batch_size (and transformers' Trainer with auto_find_batch_size=True) "
+    "lowers the batch size after an out-of-memory error and calls the function again on that rank "
+    "alone, so the ranks go on with different batch sizes and different collectives. With several "
+    "processes, give every rank a batch size that fits all of them (found in a run of one process, "
+    "then set), or decide a retry together: catch the error yourself, reduce a flag across the ranks "
+    "and retry on every rank with the same smaller size.")
+
 FILE_LOCK_CURE = (
     "A file lock waits for the process that holds it: find that one on the rank's machine (fuser -v FILE, "
     "or lsof FILE). When a rank of this job holds it while it waits in a collective (a cache it fills "
@@ -259,6 +267,8 @@ def issued_by(stack: list[dict[str, Any]]) -> str:
     names = {(Path(f["file"]).name, f["func"]) for f in stack}
     if any(func in ("backward", "_engine_run_backward") for _file, func in names):
         return _DDP_BACKWARD
+    if ("distributed.py", "__init__") in names:
+        return "issued by DDP's constructor: its check and broadcast of the model's parameters"
     if any(file == "distributed.py" and func in ("forward", "_pre_forward") for file, func in names):
         return "issued by DDP inside forward(): buffers or bucket order"
     return "issued outside Python (no Python wrapper saw it)"
@@ -682,6 +692,18 @@ ABORT_CAUSES = (
     "log: 'Received data size doesn't match expected size. Is there a distributed collective mismatch "
     "in your code?'), and NCCL's watchdog when a collective times out.")
 PAIRED_APART = "Those calls were paired as one collective: " + ABORT_CAUSES
+
+
+def batch_sizes_text(sizes: dict[int, int]) -> str:
+    """' The ranks run accelerate's find_executable_batch_size with different batch sizes: rank 0 at
+    64; rank 1 at 57 (lowered after an out-of-memory error on that rank, ...).'"""
+    largest = max(sizes.values())
+    parts = _together([(rank, f"at {size}") for rank, size in sorted(sizes.items())])
+    lowered = sorted(rank for rank, size in sizes.items() if size < largest)
+    return (f" The ranks run accelerate's find_executable_batch_size with different batch sizes: "
+            f"{'; '.join(parts)} (lowered after an out-of-memory error on "
+            f"{'that rank' if len(lowered) == 1 else 'those ranks'}, which then called the function "
+            "again alone).")
 
 
 def aborted_note(aborted: list[Position]) -> str:

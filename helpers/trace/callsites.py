@@ -91,10 +91,28 @@ def describe_stack(frame: Any) -> list[dict[str, Any]]:
     frames = []
     while frame is not None:
         code = frame.f_code
-        frames.append({"file": code.co_filename, "line": frame.f_lineno, "func": code.co_name,
-                       "user": is_user_frame(frame), "where": label(code.co_filename, frame.f_lineno)})
+        entry = {"file": code.co_filename, "line": frame.f_lineno, "func": code.co_name,
+                 "user": is_user_frame(frame), "where": label(code.co_filename, frame.f_lineno)}
+        if code.co_name == "decorator" and code.co_filename.replace("\\", "/").endswith(BATCH_SIZE_FINDER):
+            entry["batch_size"] = _batch_size(frame)
+        frames.append(entry)
         frame = frame.f_back
     return frames[::-1]
+
+
+# accelerate's find_executable_batch_size runs the function in its ``decorator``, lowering its
+# ``batch_size`` and calling again after an out-of-memory error on this rank (transformers' Trainer
+# with auto_find_batch_size=True too): the ranks' batch sizes tell whether one retried alone
+BATCH_SIZE_FINDER = "accelerate/utils/memory.py"
+
+
+def _batch_size(frame: Any) -> int | None:
+    """The batch size a find_executable_batch_size call runs with now (its ``decorator`` frame's)."""
+    try:
+        value = frame.f_locals.get("batch_size")
+    except Exception:  # noqa: BLE001 - a frame's locals are a hint, never worth a failed state dump
+        return None
+    return value if isinstance(value, int) and not isinstance(value, bool) else None
 
 
 def traceback_site(tb: Any) -> dict[str, Any] | None:
