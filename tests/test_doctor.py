@@ -761,7 +761,8 @@ def test_a_collective_no_python_call_issued_is_told_by_the_ddp_frames_on_its_sta
 
     assert said("__init__").startswith("issued by DDP's constructor")
     assert said("_pre_forward").startswith("issued by DDP inside forward()")
-    assert said("_engine_run_backward", "/venv/torch/autograd/graph.py").startswith("issued by DDP inside backward()")
+    autograd = "/venv/torch/autograd/graph.py"
+    assert said("_engine_run_backward", autograd).startswith("issued by DDP inside backward()")
     assert wording.issued_by([user]) == "issued outside Python (no Python wrapper saw it)"
 
 
