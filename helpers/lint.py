@@ -10,6 +10,8 @@ script breaks that, before it hangs on a cluster:
   else, or after ``if not main: return``) but not on the other;
 - ``DIVERGENT_BREAK``: ``break``/``return``/``continue`` in a loop that runs collectives, on a value
   that can differ between ranks (not the result of check_trigger, gather, reduce or broadcast);
+- ``DIVERGENT_BRANCH``: a collective on one side of an if on such a value (``if time.time() - last
+  > 30: accelerator.reduce(loss)``), which some ranks may not take;
 - ``NONEXISTENT_API``: misremembered accelerate names such as ``set_breakpoint``;
 - ``CUDA_BEFORE_LAUNCH``: CUDA (or an ``Accelerator``) touched at top level before
   ``notebook_launcher``, which forks.
@@ -60,6 +62,12 @@ RULES: dict[str, str] = {
         "Decide together: the rank that wants to stop calls accelerator.set_trigger(), and every rank "
         "runs `if accelerator.check_trigger(): break`; or reduce the value first (accelerator.reduce or "
         f"gather) so that every rank decides on the same number. {NB_EARLY_STOP} shows the hang and this fix."
+    ),
+    "DIVERGENT_BRANCH": (
+        "Decide the condition alike on every rank: count steps instead of reading the clock (if step % "
+        "log_every == 0:), or reduce the value first (accelerator.reduce or gather) so that every rank "
+        "takes the same side; or call the collective on every rank and use its result where needed. "
+        f"{NB_REPRO} builds a runnable repro."
     ),
     "NONEXISTENT_API": (
         "Use the existing name the message gives (accelerate's API reference lists every Accelerator "
@@ -547,7 +555,7 @@ class _Source:
 
 @dataclass
 class _Guard:
-    node: ast.stmt  # the if (match, while) statement
+    node: ast.stmt | ast.ExceptHandler  # the if (match, while) statement, or an except handler
     test: ast.expr
     why: str | None  # the rank-varying part of the test, None when every rank agrees
     depth: int  # enclosing loops when entered
@@ -636,6 +644,8 @@ class _Module:
     def is_accelerator(self, node: ast.AST) -> bool:
         """Whether ``node`` names an Accelerator (or accelerate state) object."""
         key = _dotted(node)
+        if (self.canonical(node) or "").startswith("torch."):  # torch.accelerator: torch's module (2.6+)
+            return False
         return bool(key) and (key in self.accelerators or key.endswith(".accelerator"))
 
     def callee(self, call: ast.Call) -> str | None:
@@ -1504,6 +1514,8 @@ class _Flow:
                  state: set[str]) -> set[str]:
         why = self.why(test, state)
         source = self.source_of(test, state) if why else None
+        if why and self.emit and isinstance(node, ast.If) and self.mod.rank_source(test) is None:
+            self.one_sided(node, why, source)  # a test on the rank itself: MAIN_ONLY_COLLECTIVE's
         self.guards.append(_Guard(node, test, why, len(self.loops), source=source))
         merged: set[str] = set()
         for body in bodies:
@@ -1511,13 +1523,33 @@ class _Flow:
         self.guards.pop()
         return merged
 
+    def one_sided(self, node: ast.If, why: str, source: _Source | None) -> None:
+        """DIVERGENT_BRANCH: a collective on one side of an if whose test can differ between ranks
+        (the clock, a loss, a batch), a side the other ranks may not take."""
+        sides = [self.mod.profile(node.body), self.mod.profile(node.orelse)]
+        for mine, theirs in (sides, sides[::-1]):
+            for key in mine.keys() - theirs.keys():
+                op, call = mine[key][0]
+                self.raws.append(_Raw(
+                    "DIVERGENT_BRANCH", call,
+                    f"`{op.text}` {op.why}, but it runs only where `if {_text(node.test)}` "
+                    f"({self.mod.parsed.where(node.lineno)}) takes this side, and `{why}` {UNSYNCED}"
+                    f"{self.origin(source)}: ranks that take the other side never call it and the job "
+                    "hangs."))
+
     def try_block(self, node: ast.Try, state: set[str]) -> set[str]:
         merged = self.block(node.body, set(state))
         for handler in node.handlers:
             handled = set(state) | merged
             if handler.name:
                 self.assign(ast.Name(handler.name), self.control(), handled)
+            caught = _text(handler.type) if handler.type is not None else "Exception"
+            raised_alone = not (set(caught.replace("(", " ").replace(")", " ").replace(",", " ").split())
+                                & _ENDINGS)  # StopIteration ends every rank's iterator alike
+            self.guards.append(_Guard(handler, handler.type or ast.Name("Exception"),
+                                      f"except {caught}" if raised_alone else None, len(self.loops)))
             merged |= self.block(handler.body, handled)
+            self.guards.pop()
         merged = self.block(node.orelse, merged)
         return self.block(node.finalbody, merged)
 
@@ -1612,10 +1644,21 @@ class _Flow:
         op, call = loop.first
         self.raws.append(_Raw(
             "DIVERGENT_BREAK", node,
-            f"`{word}` under `if {_text(guard.test)}` ({self.mod.parsed.where(guard.test.lineno)}) leaves a "
-            f"loop that runs collectives (`{op.text}`, {self.mod.parsed.where(call.lineno)}), and "
-            f"`{guard.why}` {UNSYNCED}{self.origin(guard.source)}: ranks that stay in the loop wait forever "
-            f"in `{op.text}`."))
+            f"`{word}` {self.under(guard)} leaves a loop that runs collectives (`{op.text}`, "
+            f"{self.mod.parsed.where(call.lineno)}), and {self.differs(guard)}: ranks that stay in the loop "
+            f"wait forever in `{op.text}`."))
+
+    def under(self, guard: _Guard) -> str:
+        """"under `if x > 3` (line 7)", or "in `except ValueError:` (line 9)"."""
+        if isinstance(guard.node, ast.ExceptHandler):
+            return f"in `{guard.why}:` ({self.mod.parsed.where(guard.node.lineno)})"
+        return f"under `if {_text(guard.test)}` ({self.mod.parsed.where(guard.test.lineno)})"
+
+    def differs(self, guard: _Guard) -> str:
+        """Why the guard's test can differ between ranks."""
+        if isinstance(guard.node, ast.ExceptHandler):
+            return "an exception can be raised on some ranks alone (out of memory, a bad batch)"
+        return f"`{guard.why}` {UNSYNCED}{self.origin(guard.source)}"
 
     def skip_rest(self, node: ast.stmt, word: str, ops: list[tuple[_Op, ast.Call]], depth: int) -> None:
         guard = self._guard(depth)
@@ -1628,10 +1671,11 @@ class _Flow:
         op, call = later[0]
         self.raws.append(_Raw(
             "DIVERGENT_BREAK", node,
-            f"`{word}` under `if {_text(guard.test)}` ({self.mod.parsed.where(guard.test.lineno)}) skips "
-            f"`{op.text}` ({self.mod.parsed.where(call.lineno)}) on some ranks, and `{guard.why}` "
-            f"{UNSYNCED}{self.origin(guard.source)}: the ranks that do not skip it wait forever in "
-            f"`{op.text}`."))
+            f"`{word}` {self.under(guard)} skips `{op.text}` ({self.mod.parsed.where(call.lineno)}) on some "
+            f"ranks, and {self.differs(guard)}: the ranks that do not skip it wait forever in `{op.text}`."))
+
+
+_ENDINGS = {"StopIteration", "StopAsyncIteration", "KeyboardInterrupt", "SystemExit", "GeneratorExit"}
 
 
 # --- accelerate's real names, read from its source without importing it --------------------------
