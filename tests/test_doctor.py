@@ -1198,6 +1198,11 @@ def test_a_rank_killed_inside_a_collective_is_placed_in_it_from_its_dying_stack(
     key, groups, present = diagnosis_module._numbered_divergence_now({0: ddp, 1: dead})
     assert key == ("0", 5) and len(groups) == 2 and present[0].where == "train.py:11"
     assert diagnosis_module._numbered_divergence_now({0: ddp, 1: Position(1, "exited", exit_code=-6)}) is None
+    listed = Op("all_gather_object", seq=5, shapes=[[2]])
+    objects = Position(1, "in-collective", op=listed, seq=5, where="a.py:3")
+    inner = Op("gloo:all_gather", seq=5, shapes=[[1]], source="flight-recorder")  # its inner collective
+    assert diagnosis_module._numbered_divergence_now(
+        {0: Position(0, "in-collective", op=inner, seq=5, where="a.py:3"), 1: objects}) is None
     assert wording.aborted_note([dead, Position(2, "exited", op=dead.op, where="train.py:17")]).startswith(
         " Ranks 1 and 2 were killed by SIGABRT inside all_reduce at train.py:17: gloo ends a rank")
 

@@ -20,7 +20,16 @@ from pathlib import Path
 from typing import Any
 
 from helpers import report
-from helpers.collectives import ALL_JOIN, INIT_OP, OBJECT_LISTS, OPS, ROOTS, SPLIT_OPS, canonical_op
+from helpers.collectives import (
+    ALL_JOIN,
+    INIT_OP,
+    MULTI_OPS,
+    OBJECT_LISTS,
+    OPS,
+    ROOTS,
+    SPLIT_OPS,
+    canonical_op,
+)
 from helpers.doctor import wording
 from helpers.doctor.records import Evidence, Op, Position, RankView, fr_op
 from helpers.doctor.source import (
@@ -644,8 +653,11 @@ def _numbered_divergence_now(positions: dict[int, Position]):
                          line=pos.op.line or pos.line)
             by_key.setdefault((pos.op.pg, pos.seq), {})[rank] = op
     for key, present in sorted(by_key.items()):
+        names = {canonical_op(op.op) for op in present.values()}
+        if len(present) < 2 or len(names) > 1 or names & MULTI_OPS:
+            continue  # one op by both sources' names: Python's all_gather_object is FR's all_gather
         groups = _grouped(present)
-        if len(present) > 1 and len(groups) > 1:
+        if len(groups) > 1:
             return key, groups, present
     return None
 
