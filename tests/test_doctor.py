@@ -1175,6 +1175,21 @@ def test_calls_in_two_branches_of_one_if_are_told_from_a_call_under_an_if_and_on
     assert wording.decided_per_rank(str(path), 5) is None  # a branch on the rank is named as such
 
 
+def test_ranks_whose_calls_sit_under_one_branch_are_named_once_with_it(tmp_path):
+    from helpers.doctor.records import Op, Position
+
+    path = tmp_path / "node.py"
+    path.write_text("import x\nif accelerator.is_local_main_process:\n    accelerator.gather(t)\n"
+                    "accelerator.wait_for_everyone()\n")
+    ops = {rank: Op("all_gather", seq=9, where="node.py:3", file=str(path), line=3) for rank in (0, 2)}
+    ops |= {rank: Op("barrier", seq=9, where="node.py:4", file=str(path), line=4) for rank in (1, 3)}
+    positions = {rank: Position(rank, "in-collective", op=op, seq=9, where=op.where, file=op.file,
+                                line=op.line) for rank, op in ops.items()}
+    assert wording._different_path(ops, [0, 2], positions) == (
+        " Ranks 0 and 2 took a different path from the others (the calls of ranks 0 and 2 under "
+        "'if accelerator.is_local_main_process:' at node.py:2).")
+
+
 def test_a_rank_killed_inside_a_collective_is_placed_in_it_from_its_dying_stack(tmp_path):
     # faulthandler's dump at SIGABRT; a dump asked for earlier (no 'Fatal Python error') places no one
     from helpers.doctor.records import Op, Position, RankView

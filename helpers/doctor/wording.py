@@ -487,10 +487,9 @@ def _deciding_text(culprits: list[int], present: dict[int, Op], form: str) -> st
     file, found = deciding.pop()
     under = f"under {_branch_words(found, file)}, {DECIDES_ITSELF}"
     if form == "(":
-        return f" ({'its' if len(culprits) == 1 else 'their'} call is {under})"
-    if len(culprits) > 1:
-        return f" The calls of {ranks_text(culprits).lower()} are {under}."
-    return f" {ranks_text(culprits)}'s call is {under}."
+        return f" ({'its call is' if len(culprits) == 1 else 'their calls are'} {under})"
+    calls = _calls_of(culprits)
+    return f" {calls[0].upper()}{calls[1:]} {'is' if len(culprits) == 1 else 'are'} {under}."
 
 
 def divergence_summary(kind: str, key: tuple[str, int], present: dict[int, Op], culprits: list[int],
@@ -553,12 +552,20 @@ def _different_path(present: dict[int, Op], culprits: list[int], positions: dict
                 and positions[rank].op is not None and (branch := _branch_site(positions[rank]))]
     inside = f" ({', '.join(branches)}, inside a branch on the rank)" if branches else ""
     if not branches:  # the call's own line in the branch: the branch's test
-        tests = [f"rank {rank}'s call under {test}" for rank in culprits if rank in positions
-                 and (test := _own_branch(positions[rank]))]
-        inside = f" ({'; '.join(tests)})" if tests else ""
+        tests: dict[str, list[int]] = {}  # the ranks whose call sits under one branch, named together
+        for rank in culprits:
+            if rank in positions and (test := _own_branch(positions[rank])):
+                tests.setdefault(test, []).append(rank)
+        said = [f"{_calls_of(ranks)} under {test}" for test, ranks in tests.items()]
+        inside = f" ({'; '.join(said)})" if said else ""
     if not inside:  # one condition on a per-rank value around the culprits' calls
         inside = _deciding_text(culprits, present, "(")
     return f" {ranks_text(culprits)} took a different path from {_others_text(others)}{inside}."
+
+
+def _calls_of(ranks: list[int]) -> str:
+    """"rank 2's call", "the calls of ranks 0 and 2"."""
+    return f"rank {ranks[0]}'s call" if len(ranks) == 1 else f"the calls of {ranks_text(ranks).lower()}"
 
 
 def _left_loop(sites: dict[int, tuple[str, int] | None], leavers: list[int], stayers: list[int],
