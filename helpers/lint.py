@@ -1251,9 +1251,11 @@ class _Flow:
             self.params = {a.arg for a in [*args.posonlyargs, *args.args, *args.kwonlyargs, args.vararg,
                                            args.kwarg] if a is not None}
             given = params_vary if isinstance(params_vary, frozenset) else frozenset()
+            defaulted = _with_defaults(args)  # best_loss=float("inf"): a setting, whatever its name
             state = {a.arg for a in [*args.posonlyargs, *args.args, *args.kwonlyargs, args.vararg, args.kwarg]
                      if a is not None and a.arg not in ("self", "cls")
-                     and (params_vary is True or a.arg in given or _words(a.arg) & ITEM_WORDS)}
+                     and (params_vary is True or a.arg in given
+                          or (_words(a.arg) & ITEM_WORDS and a.arg not in defaulted))}
         self.block(scope.body, state)
 
     # expressions ----------------------------------------------------------------------------------
@@ -1413,7 +1415,10 @@ class _Flow:
     # statements -----------------------------------------------------------------------------------
 
     def control(self) -> bool:
-        return any(g.why for g in self.guards)
+        """Is the code under a condition that can differ between ranks (what it assigns differs too)?
+        An except handler counts for the exits inside it only: a fallback value it assigns
+        (``except OverflowError: perplexity = inf``) is the same wherever the same error is raised."""
+        return any(g.why and not isinstance(g.node, ast.ExceptHandler) for g in self.guards)
 
     def block(self, stmts: list[ast.stmt], state: set[str]) -> set[str]:
         for stmt in stmts:
@@ -1673,6 +1678,14 @@ class _Flow:
             "DIVERGENT_BREAK", node,
             f"`{word}` {self.under(guard)} skips `{op.text}` ({self.mod.parsed.where(call.lineno)}) on some "
             f"ranks, and {self.differs(guard)}: the ranks that do not skip it wait forever in `{op.text}`."))
+
+
+def _with_defaults(args: ast.arguments) -> set[str]:
+    """The names of the parameters given a default value."""
+    positional = [*args.posonlyargs, *args.args]
+    named = positional[len(positional) - len(args.defaults):] if args.defaults else []
+    named += [a for a, default in zip(args.kwonlyargs, args.kw_defaults, strict=True) if default is not None]
+    return {a.arg for a in named}
 
 
 _ENDINGS = {"StopIteration", "StopAsyncIteration", "KeyboardInterrupt", "SystemExit", "GeneratorExit"}

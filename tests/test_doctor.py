@@ -1283,8 +1283,9 @@ def test_a_rank_waiting_for_a_file_lock_is_named_at_its_own_line_with_the_locks_
     found = doctor.run_function(_ranks_waiting_for_a_file_lock, kwargs={"path": str(tmp_path / "cache.lock")},
                                 num_processes=3, stall_s=2.0, timeout_s=60)
     assert (found.kind, found.ranks) == ("rank-missing", [1, 2]), found.text()
-    assert (f"rank 1 is {wording.FILE_LOCK_WAIT} (filelock: another process holds it) at "
-            f"{HERE}:{_line('filelock')}; rank 2 is {wording.FILE_LOCK_WAIT} at {HERE}:{_line('flock')}."
+    held = "(filelock: held by another process or another open of the file)"
+    assert (f"rank 1 is {wording.FILE_LOCK_WAIT} {held} at {HERE}:{_line('filelock')}; "
+            f"rank 2 is {wording.FILE_LOCK_WAIT} at {HERE}:{_line('flock')}."
             ) in found.summary, found.summary
     assert [row["location"] for row in found.rows()][1:] == [f"{HERE}:{_line('filelock')}",
                                                             f"{HERE}:{_line('flock')}"]
@@ -1298,8 +1299,11 @@ def test_a_rank_in_an_installed_packages_code_is_named_by_that_package_and_the_u
                "user": True, "where": "poll.py:41"}
     sleep = {"file": "<built-in>", "line": 0, "func": "sleep"}
     assert wording.activity(1, user, [user, package, sleep]) == (
-        "sleeping in mycache's wait_ready (poll.py:41), called at train.py:9")
-    assert wording.activity(1, user, [user, package]).startswith("running in mycache's wait_ready")
+        "sleeping in mycache (wait_ready at poll.py:41), called at train.py:9")
+    assert wording.activity(1, user, [user, package]).startswith("running in mycache (wait_ready")
+    torch_frame = {"file": "/venv/lib/python3.11/site-packages/torch/nn/modules/linear.py", "line": 125,
+                   "func": "forward", "user": False, "where": "linear.py:125"}
+    assert wording.activity(1, user, [user, torch_frame]) == "at train.py:9"  # torch's own: not named
     assert wording.library_below(user, [user, {"file": "/usr/lib/python3.11/json/decoder.py"}]) is None
     assert wording.installed_package("/x/dist-packages/pkg/mod.py") == "pkg"
     assert wording.installed_package("/x/site-packages/six.py") == "six"  # a lone module

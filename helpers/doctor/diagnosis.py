@@ -381,8 +381,8 @@ def _dying_call(view: RankView) -> Op | None:
         return None
     stack = faulthandler_stack(view.stack_text[_FATAL.search(view.stack_text).start():])
     frame = _innermost_user_frame(stack)
-    inside = next((f for f in reversed(stack) if f["func"] in OPS and "/torch/distributed/" in f["file"]),
-                  None)
+    inside = next((f for f in stack if f["func"] in OPS and "/torch/distributed/" in f["file"]),
+                  None)  # the outermost: broadcast_object_list, not the broadcast it issues
     if inside is None or frame is None:
         return None
     return Op(op=inside["func"], seq=None, where=frame["where"], file=frame["file"], line=frame["line"],
@@ -864,9 +864,9 @@ def _calls_of_other_functions(present: dict[int, Op]) -> bool:
     if len({(file, enclosing_function(file, line)) for file, line in sites}) > 1:
         return True
     # one function: the lines are one call's branches only when they sit in different branches of an
-    # if (if/else), not a call under an if and one after it
-    return any(not opposite_branches(file, line, other_line)
-               for (file, line), (_other, other_line) in zip(sites, sites[1:], strict=False))
+    # if (if/else), not a call under an if and one after it; in a file it cannot read, one call
+    return any(enclosing_function(file, line) is not None and not opposite_branches(file, line, other)
+               for (file, line), (_file, other) in zip(sites, sites[1:], strict=False))
 
 
 def split_mismatch(present: dict[int, Op]) -> list[tuple[int, int, int, int]]:
@@ -1074,6 +1074,18 @@ def _extra_collectives(positions: dict[int, Position], exited: list[int]) -> lis
     return sorted(p.rank for p in calling)
 
 
+def _same_call_as(dead: Position, other: Position) -> bool:
+    """Could ``other``'s collective be the one ``dead`` died in? The same line (its own, or the line
+    of the user's own file it was called from: a stack read from text counts an installed trainer as
+    a library, the tracer as the user's), and the same op unless one issues several (an object list's
+    broadcast is a broadcast)."""
+    own = other.callers[-1][2] if other.callers else None
+    if dead.where not in (other.where, own):
+        return False
+    names = {canonical_op(dead.op.op), canonical_op(other.op.op)}
+    return len(names) == 1 or bool(names & MULTI_OPS)
+
+
 def _aborted_inside(pos: Position) -> bool:
     """Was the rank killed by SIGABRT inside a collective (its open record, or its dying stack)?"""
     return (pos.state == "exited" and pos.exit_code == -signal.SIGABRT and pos.op is not None
@@ -1098,8 +1110,7 @@ def _aborted_on_different_calls(exited: list[int], positions: dict[int, Position
                                            or (None not in (p.seq, dead.seq) and p.seq != dead.seq)
                                            for p in others):
         return None  # some rank was in no collective, or (by their numbers) in another one
-    call = (canonical_op(dead.op.op), dead.where)
-    different = [p.rank for p in others if (canonical_op(p.op.op), p.where) != call]
+    different = [p.rank for p in others if not _same_call_as(dead, p)]
     if not different:
         return None
     present = {p.rank: replace(p.op, shapes=None) for p in positions.values()}  # the dead rank's are unknown

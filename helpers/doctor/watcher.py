@@ -138,7 +138,7 @@ class Doctor(Watcher):
         for rank, text in stacks.items():
             self.views[rank].stack_text = text
         for rank, view in self.views.items():  # a rank already gone: the stack faulthandler dumped as it died
-            if rank not in stacks and not view.stack_text:
+            if rank not in stacks and (view.ended or not view.stack_text):
                 view.stack_text = read_text(run.stack_file(rank))
         while time.monotonic() < end:
             self._refresh(run)

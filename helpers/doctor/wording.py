@@ -155,13 +155,14 @@ BATCH_SIZE_CURE = (
     "and retry on every rank with the same smaller size.")
 
 FILE_LOCK_CURE = (
-    "A file lock waits for the process that holds it: find that one on the rank's machine (fuser -v FILE, "
-    "or lsof FILE). When a rank of this job holds it while it waits in a collective (a cache it fills "
-    "under its lock), release the lock before the collective, or let the main process fill the cache "
-    "alone first: inside with accelerator.main_process_first(): the others wait in a barrier and then "
-    "read it. A lock taken with flock (filelock's FileLock on Unix) ends with its process; filelock's "
-    "SoftFileLock is the file itself, which a run killed on another machine can leave behind (recent "
-    "filelock writes the holder's pid and host into it): delete it once no run uses it.")
+    "A file lock waits for the process that holds it: find that one with fuser -v FILE or lsof FILE on "
+    "the rank's machine (for a lock on shared storage, on every machine that mounts it). When a rank of "
+    "this job holds it while it waits in a collective (a cache it fills under its lock), release the "
+    "lock before the collective, or let the main process fill the cache alone first: inside with "
+    "accelerator.main_process_first(): the others wait in a barrier and then read it. A lock taken with "
+    "flock (filelock's FileLock on Unix) ends with its process; filelock's SoftFileLock is the file "
+    "itself, which a run killed on another machine can leave behind (recent filelock writes the "
+    "holder's pid and host into it): delete it once no run uses it.")
 
 CROSSED_GROUPS_CURE = (
     "Issue the collectives of groups that share ranks in one order on every rank (loop over the groups "
@@ -297,14 +298,15 @@ def activity(rank: int, frame: dict[str, Any], stack: list[dict[str, Any]], sile
 
 
 def library_below(frame: dict[str, Any], stack: list[dict[str, Any]]) -> str | None:
-    """"filelock's acquire (_api.py:344)": the innermost frame of an installed package that the
-    user's ``frame`` called, when one is below it (None when only the standard library is)."""
+    """"filelock (acquire at _api.py:344)": the innermost frame of an installed package that the
+    user's ``frame`` called and that the tracer counted as the user's code (a package of theirs, not
+    torch or accelerate: ``helpers.sites``), when one is below it; None otherwise."""
     index = next((i for i, f in enumerate(stack) if f is frame), None)
     called = stack[index + 1:] if index is not None else []
     for below in reversed(called):
-        package = installed_package(str(below.get("file", "")))
-        if package is not None:
-            return f"{package}'s {below.get('func')} ({Path(below['file']).name}:{below.get('line')})"
+        package = installed_package(str(below.get("file", ""))) if below.get("user") else None
+        if package is not None:  # a package the tracer counts as the user's (not torch, not accelerate)
+            return f"{package} ({below.get('func')} at {Path(below['file']).name}:{below.get('line')})"
     return None
 
 
@@ -321,7 +323,7 @@ def installed_package(path: str) -> str | None:
 # match wins: a DataLoader waits on multiprocessing's queue, a child process on selectors)
 _WAITS = (
     (DATALOADER_FILE, None, DATALOADER_WAIT),
-    ("/filelock/", None, FILE_LOCK_WAIT + " (filelock: another process holds it)"),
+    ("/filelock/", None, FILE_LOCK_WAIT + " (filelock: held by another process or another open of the file)"),
     ("/subprocess.py", None, "waiting for a child process"),
     ("/concurrent/futures/", None, "waiting for a future's result"),
     ("/multiprocessing/pool.py", None, "waiting for a multiprocessing pool"),
@@ -611,8 +613,15 @@ def loop_exits_text(file: str, header: int, call_line: int) -> str:
             "leaving them fewer collectives than the others.")
 
 
-_PER_RANK = re.compile(r"\b(loss|nan|isnan|isinf|isfinite|inf|time|perf_counter|monotonic|random|rand|"
-                       r"randint|batch|len|grad|norm)\b", re.IGNORECASE)
+_PER_RANK = re.compile(r"\b(loss|nan|isnan|isinf|isfinite|time|perf_counter|monotonic|random|rand|"
+                       r"randint|batch|grad|norm)\b", re.IGNORECASE)
+_STRING = re.compile(r"""(['"]).*?\1""")  # a literal in a test: its words are not values
+
+
+def _per_rank_value(test: str) -> bool:
+    """Does a condition's text read a value each rank computes for itself (its loss, the clock, a
+    random draw, its batch)?"""
+    return bool(_PER_RANK.search(_STRING.sub("", test)))
 
 
 def _telling(keyword: str, _line: int, test: str) -> bool:
@@ -620,7 +629,7 @@ def _telling(keyword: str, _line: int, test: str) -> bool:
     where uneven data would end the loop instead), or a condition on the rank or on a value each
     rank computes for itself (its loss, the clock, its batch)? ``if step >= max_steps: break`` is
     not: it keeps its sentence, hedged, and the uneven-loop cure leads."""
-    return keyword == "continue" or mentions_rank(test) or bool(_PER_RANK.search(test))
+    return keyword == "continue" or mentions_rank(test) or _per_rank_value(test)
 
 
 def _exit_condition(test: str) -> str:
@@ -694,11 +703,18 @@ def exited_summary(culprits: list[int], positions: dict[int, Position]) -> str:
     return text + "."
 
 
-ABORT_CAUSES = (
+SIZE_ABORT = (
     "gloo ends a rank this way when its collective receives more data than its own call expects (its "
     "log: 'Received data size doesn't match expected size. Is there a distributed collective mismatch "
-    "in your code?'), and NCCL's watchdog when a collective times out.")
-PAIRED_APART = "Those calls were paired as one collective: " + ABORT_CAUSES
+    "in your code?')")
+ABORT_CAUSES = (SIZE_ABORT + ", or when a peer's connection closes under it; NCCL's watchdog, when a "
+                "collective times out.")
+PAIRED_APART = ("Every other rank was still in a collective, so those calls were paired as one: "
+                + SIZE_ABORT + ".")
+
+
+_RETRIED = "that rank, which then called the function again alone"
+_RETRIED_EACH = "those ranks, each of which then called the function again alone"
 
 
 def batch_sizes_text(sizes: dict[int, int]) -> str:
@@ -709,8 +725,7 @@ def batch_sizes_text(sizes: dict[int, int]) -> str:
     lowered = sorted(rank for rank, size in sizes.items() if size < largest)
     return (f" The ranks run accelerate's find_executable_batch_size with different batch sizes: "
             f"{'; '.join(parts)} (lowered after an out-of-memory error on "
-            f"{'that rank' if len(lowered) == 1 else 'those ranks'}, which then called the function "
-            "again alone).")
+            f"{_RETRIED if len(lowered) == 1 else _RETRIED_EACH}).")
 
 
 def aborted_note(aborted: list[Position]) -> str:
@@ -721,7 +736,8 @@ def aborted_note(aborted: list[Position]) -> str:
         calls.setdefault(f"{_op_name(pos.op)}{_at(pos)}", []).append(pos.rank)
     said = [f"{ranks_text(ranks)} {'were' if len(ranks) > 1 else 'was'} killed by SIGABRT inside {call}"
             for call, ranks in calls.items()]
-    return f" {'; '.join(said)}: {ABORT_CAUSES}"
+    text = "; ".join([said[0], *(part[0].lower() + part[1:] for part in said[1:])])
+    return f" {text}: {ABORT_CAUSES}"
 
 
 def aborted_summary(dead: int, different: list[int], positions: dict[int, Position],
@@ -737,8 +753,10 @@ def aborted_summary(dead: int, different: list[int], positions: dict[int, Positi
         issued = ", " + issued_from_cpp_at(at) if other in from_cpp else ""
         said.append((other, f"in {_op_name(op)}{_at(at)}{issued}"))
     calls = "; ".join(_together(said))
-    return (f"Rank {dead} was {pos.detail} inside {_op_name(pos.op)}{_at(pos)} while other ranks were in "
-            f"other calls: {calls}. {PAIRED_APART}{_deciding_condition(pos)}")
+    others = (f"while {calls.replace(' in ', ' was in ', 1)}" if len(said) == 1
+              else f"while other ranks were in other calls: {calls}")
+    return (f"Rank {dead} was {pos.detail} inside {_op_name(pos.op)}{_at(pos)} {others}. "
+            f"{PAIRED_APART}{_deciding_condition(pos)}")
 
 
 def _deciding_condition(pos: Position) -> str:
@@ -757,7 +775,7 @@ def decided_per_rank(file: str | None, line: int | None) -> tuple[int, str, str]
     (its loss, the clock, a random draw: ``_PER_RANK``), not on the rank ('' for those: the branch on
     the rank is named as such); None otherwise."""
     found = enclosing_condition(file, line)
-    if found is None or mentions_rank(found[1]) or not _PER_RANK.search(found[1]):
+    if found is None or mentions_rank(found[1]) or not _per_rank_value(found[1]):
         return None
     return found
 

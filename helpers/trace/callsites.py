@@ -100,9 +100,10 @@ def describe_stack(frame: Any) -> list[dict[str, Any]]:
     return frames[::-1]
 
 
-# accelerate's find_executable_batch_size runs the function in its ``decorator``, lowering its
-# ``batch_size`` and calling again after an out-of-memory error on this rank (transformers' Trainer
-# with auto_find_batch_size=True too): the ranks' batch sizes tell whether one retried alone
+# accelerate's find_executable_batch_size (accelerate/utils/memory.py) runs the function in its
+# ``decorator``, lowering its ``batch_size`` and calling again after an out-of-memory error on this
+# rank alone; transformers' Trainer uses it with auto_find_batch_size=True (trainer_utils'
+# find_executable_batch_size). The ranks' batch sizes tell whether one retried alone.
 BATCH_SIZE_FINDER = "accelerate/utils/memory.py"
 
 
