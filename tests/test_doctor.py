@@ -1164,10 +1164,15 @@ def step(rank, loss):
 
 
 def test_calls_in_two_branches_of_one_if_are_told_from_a_call_under_an_if_and_one_after_it(tmp_path):
+    from helpers.doctor.records import Op
+
     path = tmp_path / "steps.py"
     path.write_text(_BRANCHES)
     assert source.opposite_branches(str(path), 3, 5) and source.opposite_branches(str(path), 5, 3)
     assert source.opposite_branches(str(path), 10, 11)  # the if's body returns: what follows is its else
+    unread = {0: Op("all_reduce", file=str(tmp_path / "gone.py"), line=3),
+              1: Op("all_reduce", file=str(tmp_path / "gone.py"), line=5)}
+    assert not diagnosis_module._calls_of_other_functions(unread)  # a file it cannot read: one call, as ever
     assert not source.opposite_branches(str(path), 7, 8)  # a call under an if, and one after it
     assert source.enclosing_condition(str(path), 7) == (6, "loss > 1.0", "if")
     assert source.enclosing_condition(str(path), 5) == (2, "rank == 0", "else")
@@ -1204,6 +1209,18 @@ def test_a_rank_killed_inside_a_collective_is_placed_in_it_from_its_dying_stack(
     view.stack_text = "Fatal Python error: Aborted\n\n" + dump
     dying = diagnosis_module._dying_call(view)
     assert (dying.op, dying.where, dying.seq) == ("all_reduce", "train.py:17", None)
+    view.stack_text = ("Fatal Python error: Aborted\n\nThread 0x01 (most recent call first):\n"
+                       f'  File "{c10d}", line 3300 in broadcast\n'
+                       f'  File "{c10d}", line 3500 in broadcast_object_list\n'
+                       '  File "/work/train.py", line 9 in <module>\n')
+    assert diagnosis_module._dying_call(view).op == "broadcast_object_list"  # the call, not its inner one
+    # a trainer installed in site-packages: the tracer's site is its line, the dying stack the user's
+    trainer = Position(0, "in-collective", op=Op("all_reduce", seq=3), seq=3, where="trainer.py:2100",
+                       callers=[("/work/train.py", 5, "train.py:5")])
+    died = Position(1, "exited", op=Op("all_reduce", source="stack"), where="train.py:5", exit_code=-6)
+    assert diagnosis_module._same_call_as(died, trainer)
+    died.where = "train.py:6"
+    assert not diagnosis_module._same_call_as(died, trainer)
     # the ranks' positions in one numbered collective, from different calls: a divergence the
     # histories miss when their sources differ (a dead rank's records, the others' Flight Recorder)
     dead = Position(1, "exited", op=Op("all_reduce", seq=5, shapes=[[]], where="train.py:17"), seq=5,
