@@ -146,7 +146,8 @@ def test_a_killed_rank_is_named_not_its_echoes(script, tmp_path, leftovers):
     assert (data["verdict"], data["kind"], data["ranks"]) == ("crash", "rank-exited", [3]), data
     assert outcome.rank_codes[3] == -9
     assert any("rank 3 ended without a word" in note for note in data["notes"]), data["notes"]
-    assert "killed (no exception and no exit code, e.g. SIGKILL) after its last collective" in data["summary"]
+    assert "killed (no exception and no exit code, e.g. SIGKILL; a fatal signal" in data["summary"], data
+    assert "in its log) after its last collective" in data["summary"], data
     # its last beat showed it in its first all_reduce; the others' later all_reduces say it went on
     assert (data["per_rank"][3]["op"], data["per_rank"][3]["location"]) == (None, _line("steps")), data
     leftovers.check()
@@ -293,6 +294,9 @@ def test_a_rank_gloo_aborts_on_a_size_mismatch_is_named_with_its_size(script, tm
     assert outcome.rank_codes[2] == -signal.SIGABRT, outcome.rank_codes
     assert data["per_rank"][2]["shapes"] == [[1]] and data["per_rank"][0]["shapes"] == [[8]]
     assert data["per_rank"][2]["location"] == _line("steps")
+    log = "".join(outcome.outputs)  # faulthandler on the aborted rank's stderr: where its Python was
+    line = _line("steps").split(":")[1]
+    assert "Fatal Python error: Aborted" in log and f'job_script.py", line {line}' in log, log[-3000:]
     leftovers.check()
 
 

@@ -361,7 +361,8 @@ def _position(view: RankView) -> Position:
         known = view.exit_code is not None
         pos.detail = describe_exit(view.exit_code) if known else "ended (no exit recorded)"
         if exit_record.get("status") == "vanished":  # gone, never said how (the doctor in a job)
-            pos.detail = "killed: no exception and no exit code, e.g. SIGKILL"
+            pos.detail = ("killed: no exception and no exit code, e.g. SIGKILL; a fatal signal such as "
+                          "gloo's abort prints 'Fatal Python error' and where it was in its log")
         if not any(not op.async_ for op in view.open.values()):
             pos.op = pos.seq = None  # its last progress note may be stale: do not guess an op
             dying = _dying_call(view)  # unless the stack dumped at its fatal signal shows it in one

@@ -34,6 +34,7 @@ namespace; a pid is the rank's only with the rank's start time.
 from __future__ import annotations
 
 import atexit
+import faulthandler
 import os
 import signal
 import socket
@@ -121,6 +122,8 @@ def run_rank(job: JobEnv, options: JobOptions, command: list[str]) -> NoReturn:
 
     parent = os.getppid()
     procs.allow_ptrace_by(parent)  # the agent's descendants: the leader's py-spy reads a silent rank
+    if not faulthandler.is_enabled():  # a fatal signal (gloo's abort, a segfault) prints where Python was
+        faulthandler.enable(file=sys.__stderr__, all_threads=False)
     if options.keep_dir is not None:
         options.keep_dir.mkdir(parents=True, exist_ok=True)
         rundir.clear_rank_record(options.keep_dir, job.rank)
