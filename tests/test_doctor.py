@@ -557,6 +557,33 @@ def test_a_subgroup_collective_one_member_skips_is_named_though_every_rank_waits
     leftovers.check()
 
 
+def _data_parallel_sync_skipped_on_one_replica():
+    import torch
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+    rank, tensor = dist.get_rank(), torch.ones(4)
+    for step in range(3):
+        dist.all_reduce(tensor, group=mesh.get_group("tp"))
+        if not (rank == 2 and step == 1):
+            dist.all_reduce(tensor, group=mesh.get_group("dp"))  # line: dp sync
+    dist.barrier()  # line: mesh barrier
+
+
+def test_a_subgroup_collective_skipped_before_the_first_collective_of_the_world_is_named(leftovers):
+    # rank 0 waits in its data-parallel group's third all_reduce; rank 2, its peer there, issued two
+    # and waits in the world's first barrier, a group rank 0 has issued nothing in yet: every rank
+    # of the world is a member of the default group, issued or not
+    found = _hung_run(_data_parallel_sync_skipped_on_one_replica, num_processes=4)
+    assert (found.kind, found.ranks) == ("collective-mismatch", [2]), found.text()
+    assert found.summary.startswith("Rank 2 never issued the all_reduce of group "), found.summary
+    assert (f"(ranks 0 and 2) that rank 0 waits in at {HERE}:{_line('dp sync')} (its collective #3): rank 2 "
+            f"waits in the barrier at {HERE}:{_line('mesh barrier')} (collective #1 of the default group)"
+            in found.summary), found.summary
+    leftovers.check()
+
+
 def _groups_in_opposite_orders():
     import torch
     import torch.distributed as dist

@@ -44,6 +44,7 @@ from helpers.doctor.source import (
 from helpers.rundir import describe_exit
 from helpers.sites import INSTALLED
 
+WORLD_PG = "0"  # the default group's name in the records and the Flight Recorder
 EXIT_CODES = {"ok": 0, "hang": 3, "crash": 4, "mismatch": 5}
 KINDS = ("ok", "collective-mismatch", "shape-mismatch", "rank-missing", "rank-exited", "unknown")
 FIXES = wording.FIXES
@@ -1176,6 +1177,7 @@ def _skipped_group_collective(positions: dict[int, Position], histories: dict[in
         for group, seq in history:
             issued[(rank, group)] = max(issued.get((rank, group), 0), seq)
     members = _group_members(issued, [*waiting.values()], histories)
+    members.setdefault(WORLD_PG, set()).update(positions)  # the default group: every rank of the world
 
     def not_issued(rank: int, group: str, seq: int) -> bool:  # a member that has not issued it yet
         return rank in members.get(group, ()) and issued.get((rank, group), 0) < seq
