@@ -47,6 +47,7 @@ class Op:
     root: int | None = None  # a rooted collective's src or dst (global rank), as Python passed it
     splits: list | None = None  # all_to_all_single's [output rows, output splits, input splits]
     pg_ranks: list[int] | None = None  # the group's global ranks (a subgroup's; None: the world or unknown)
+    pg_desc: str | None = None  # torch's description of a subgroup ('mesh_dp': a DeviceMesh dimension's)
 
     def signature(self) -> tuple:
         """What must agree across ranks at one sequence number: the op, then shapes and dtypes."""
@@ -55,6 +56,10 @@ class Op:
 
 def _rank_or_none(value: Any) -> int | None:
     return value if isinstance(value, int) and not isinstance(value, bool) else None
+
+
+def _text_or_none(value: Any) -> str | None:
+    return value if isinstance(value, str) and value else None
 
 
 def _ranks_or_none(value: Any) -> list[int] | None:
@@ -121,7 +126,7 @@ class RankView:
                 line=event.get("line"), start=event["t"], p2p=bool(event.get("p2p")),
                 async_=bool(event.get("async")), peer=_rank_or_none(event.get("peer")),
                 root=_rank_or_none(event.get("root")), splits=_splits_or_none(event.get("splits")),
-                pg_ranks=_ranks_or_none(event.get("pg_ranks")))
+                pg_ranks=_ranks_or_none(event.get("pg_ranks")), pg_desc=_text_or_none(event.get("pg_desc")))
         if len(self.order) == self.order.maxlen:  # forgotten, open or not (an isend never waited for)
             self.ops.pop(self.order[0], None)
             self.open.pop(self.order[0], None)
@@ -240,7 +245,7 @@ def fr_op(entry: dict[str, Any]) -> Op:
               shapes=entry.get("input_sizes"), source="flight-recorder",
               dtypes=[FR_DTYPES.get(d, d) for d in entry.get("input_dtypes") or []],
               start=(entry.get("time_created_ns") or 0) / 1e9, where=site.get("where"),
-              file=site.get("file"), line=site.get("line"))
+              file=site.get("file"), line=site.get("line"), pg_desc=_text_or_none(entry.get("pg_desc")))
 
 
 @dataclass

@@ -921,11 +921,11 @@ def skipped_group_summary(skipped: list[int], waiter: Position, positions: dict[
     ``members``: each group's ranks, as far as their collectives were seen."""
     seq = f" (its collective #{waiter.seq})" if waiter.seq is not None else ""
     own = (f"{ranks_text(skipped)} never issued the {_op_name(waiter.op)} of "
-           f"{group_text(waiter.op.pg, members)} that rank {waiter.rank} waits in{_at(waiter)}{seq}")
+           f"{group_text(waiter.op, members)} that rank {waiter.rank} waits in{_at(waiter)}{seq}")
     instead = []
     for rank in skipped:
         pos = positions[rank]
-        number = "" if pos.seq is None else f" (collective #{pos.seq} of {group_text(pos.op.pg, members)})"
+        number = "" if pos.seq is None else f" (collective #{pos.seq} of {group_text(pos.op, members)})"
         instead.append(f"rank {rank} waits in the {_op_name(pos.op)}{_at(pos)}{number}")
     return (f"{own}: {'; '.join(instead)}, which rank {waiter.rank} cannot reach while it waits. "
             "Each waits for the other: a collective of a subgroup inside a branch that not all of "
@@ -939,18 +939,20 @@ def crossed_groups_summary(ranks: list[int], positions: dict[int, Position],
     for rank in ranks:
         pos = positions[rank]
         number = "" if pos.seq is None else f" (its collective #{pos.seq} there)"
-        parts.append(f"rank {rank} in the {_op_name(pos.op)} of {group_text(pos.op.pg, members)}"
+        parts.append(f"rank {rank} in the {_op_name(pos.op)} of {group_text(pos.op, members)}"
                      f"{_at(pos)}{number}")
     return (f"{ranks_text(ranks)} each wait in a collective of a group whose other members have not "
             f"issued it and wait in another group's instead: {'; '.join(parts)}. They issue the "
             "collectives of groups that share ranks in different orders.")
 
 
-def group_text(name: str, members: dict[str, list[int]]) -> str:
-    """'the default group' (torch names it "0"), 'group 1 (ranks 2 and 3)'."""
-    if name == "0":
+def group_text(op: Op, members: dict[str, list[int]]) -> str:
+    """'the default group' (torch names it "0"), 'group 1 (ranks 2 and 3)', "group 1 'mesh_dp'
+    (ranks 0 and 2)" (torch's description of a DeviceMesh dimension's group) for an op's group."""
+    if op.pg == "0":
         return "the default group"
-    ranks = members.get(name)
+    name = f"{op.pg} '{op.pg_desc}'" if op.pg_desc else op.pg
+    ranks = members.get(op.pg)
     return f"group {name} ({ranks_text(ranks).lower()})" if ranks else f"group {name}"
 
 

@@ -78,6 +78,9 @@ _FR_FIELDS = ("record_id", "collective_seq_id", "p2p_seq_id", "is_p2p", "profili
               "input_sizes", "input_dtypes", "output_sizes", "state", "retired", "time_created_ns")
 
 
+_PLAIN_DESCS = ("", "undefined", "default_pg")  # torch's descriptions that say nothing of the group
+
+
 def flight_recorder_tail(limit: int = FR_TAIL) -> list[dict[str, Any]]:
     """The latest Flight Recorder entries, trimmed to what the doctor reads."""
     dump = flight_recorder(True) or {}
@@ -86,6 +89,8 @@ def flight_recorder_tail(limit: int = FR_TAIL) -> list[dict[str, Any]]:
         item = {key: entry.get(key) for key in _FR_FIELDS}
         group = entry.get("process_group") or ["?"]
         item["pg"] = str(group[0])
+        if len(group) > 1 and group[1] not in _PLAIN_DESCS:  # 'mesh_dp': the DeviceMesh dimension's
+            item["pg_desc"] = str(group[1])
         tail.append(item)
     return tail
 

@@ -828,7 +828,8 @@ _groups: dict[int, tuple[Any, str]] = {}  # id(group) -> (group, its text), as `
 
 def _group_json(group: Any) -> str:
     """``"pg":"1","pg_ranks":[2,3]``: a group's name and, for a subgroup, its global ranks (the
-    doctor knows a group's members before each has issued a collective there); ``"pg":"0"`` for the
+    doctor knows a group's members before each has issued a collective there) and its description
+    when torch gave one (``"pg_desc":"mesh_dp"``, a DeviceMesh dimension's); ``"pg":"0"`` for the
     default group. Cached per group, kept alive in the entry and checked on a hit."""
     if group is None:
         return '"pg":"0"'
@@ -846,6 +847,9 @@ def _group_json(group: Any) -> str:
         if group is not dist.group.WORLD:
             ranks = [int(rank) for rank in dist.get_process_group_ranks(group)]
             text += f',"pg_ranks":{json.dumps(ranks, separators=(",", ":"))}'
+            desc = str(getattr(group, "group_desc", "") or "")
+            if desc not in ("", "undefined", "default_pg"):  # init_device_mesh's 'mesh_dp'
+                text += f',"pg_desc":{json.dumps(desc)}'
     except Exception:  # noqa: BLE001 - not a group torch knows: its own error comes with the call
         pass
     if len(_groups) >= _TEXTS_KEPT:  # groups made anew every step must not grow memory
