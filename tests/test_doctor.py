@@ -582,6 +582,8 @@ def test_a_subgroup_collective_skipped_before_the_first_collective_of_the_world_
     said = (f"'mesh_dp' (ranks 0 and 2) that rank 0 waits in at {dp_sync} (its collective #3): rank 2 waits "
             f"in the barrier at {barrier} (collective #1 of the default group)")
     assert said in found.summary, found.summary
+    assert found.summary.endswith(f"(its call here is under 'if not (rank == 2 and step == 1):' at "
+                                  f"{HERE}:{_line('dp sync') - 1}).")
     leftovers.check()
 
 

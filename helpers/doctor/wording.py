@@ -927,9 +927,11 @@ def skipped_group_summary(skipped: list[int], waiter: Position, positions: dict[
         pos = positions[rank]
         number = "" if pos.seq is None else f" (collective #{pos.seq} of {group_text(pos.op, members)})"
         instead.append(f"rank {rank} waits in the {_op_name(pos.op)}{_at(pos)}{number}")
+    branch = _own_branch(waiter)  # the branch around the subgroup's call, when it is on the rank
+    branch = f" (its call here is under {branch})" if branch else ""
     return (f"{own}: {'; '.join(instead)}, which rank {waiter.rank} cannot reach while it waits. "
-            "Each waits for the other: a collective of a subgroup inside a branch that not all of "
-            "its ranks take.")
+            f"Each waits for the other: a collective of a subgroup inside a branch that not all of "
+            f"its ranks take{branch}.")
 
 
 def crossed_groups_summary(ranks: list[int], positions: dict[int, Position],
