@@ -587,6 +587,25 @@ def test_a_subgroup_collective_skipped_before_the_first_collective_of_the_world_
     leftovers.check()
 
 
+def _wraps_a_second_model_on_rank_zero_alone():
+    import torch
+    import torch.distributed as dist
+    from torch.nn.parallel import DistributedDataParallel
+
+    if dist.get_rank() == 0:
+        teacher = DistributedDataParallel(torch.nn.Linear(2, 1))  # line: teacher
+        teacher(torch.ones(1, 2))
+    dist.barrier()
+
+
+def test_a_model_wrapped_in_ddp_on_one_rank_alone_is_named_by_ddps_constructor(leftovers):
+    found = _hung_run(_wraps_a_second_model_on_rank_zero_alone)
+    assert (found.kind, found.ranks) == ("collective-mismatch", [0]), found.text()
+    assert f"at {HERE}:{_line('teacher')}, {wording.DDP_CONSTRUCTOR}" in found.summary, found.summary
+    assert found.fix.startswith(wording.PREPARED_ON_ONE_RANK_CURE), found.fix
+    leftovers.check()
+
+
 def _groups_in_opposite_orders():
     import torch
     import torch.distributed as dist

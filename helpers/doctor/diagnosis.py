@@ -594,7 +594,8 @@ def _classify(positions: dict[int, Position], histories: dict[int, dict], views:
         if fsdp is not None:
             return "collective-mismatch", extra, summary, fsdp
         if any(_issued_from_cpp(positions[rank], views.get(rank)) for rank in extra):
-            return "collective-mismatch", extra, summary, wording.MODEL_ON_ONE_RANK_CURE
+            cure = wording.model_cure(positions[rank] for rank in extra)
+            return "collective-mismatch", extra, summary, cure
         return "collective-mismatch", extra, summary
     if exited:
         summary = wording.exited_summary(exited, positions)
@@ -780,7 +781,7 @@ def _divergence_kind(divergence, positions, histories, views):
         return kind, culprits, summary, wording.CONDITION_CURE
     if kind == "collective-mismatch" and any(_cpp_call_in_rank_branch(positions[r], key, views.get(r))
                                              for r in culprits if r in positions):
-        return kind, culprits, summary, wording.MODEL_ON_ONE_RANK_CURE
+        return kind, culprits, summary, wording.model_cure(positions[r] for r in culprits if r in positions)
     if kind == "collective-mismatch":
         fsdp = next((cure for r in culprits
                      if r in positions and (cure := _fsdp_call_in_rank_branch(positions[r], key))), None)

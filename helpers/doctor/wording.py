@@ -7,6 +7,7 @@ them (rank numbers, ops, the user's ``file:line``, what a rank outside any colle
 from __future__ import annotations
 
 import re
+from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
@@ -117,6 +118,21 @@ MODEL_ON_ONE_RANK_CURE = (
     "all-reduce in backward. A DDP-wrapped model run on one rank alone (evaluation or sampling under "
     "'if accelerator.is_main_process:') waits for the other ranks there: run that on every rank, or "
     "run accelerator.unwrap_model(model) on the one rank.")
+
+PREPARED_ON_ONE_RANK_CURE = (
+    "The collective is none of your calls: DDP's constructor (accelerator.prepare of a model, with "
+    "several processes) checks and broadcasts the model's parameters with every rank. Prepare the "
+    "model on every rank, or leave a model that one rank alone uses (a teacher, an evaluation copy) "
+    "out of prepare and move it to accelerator.device yourself.")
+
+
+def model_cure(culprits: Iterable[Position]) -> str:
+    """The cure for a DDP model's own collective on some ranks alone: its constructor's (prepare
+    on one rank), else its forward's or backward's (the model run on one rank)."""
+    if any(pos.detail == DDP_CONSTRUCTOR for pos in culprits):
+        return PREPARED_ON_ONE_RANK_CURE
+    return MODEL_ON_ONE_RANK_CURE
+
 
 REPEATED_CALL_CURE = (
     "Give the call the same structure on every rank: the same keys in the same order and lists of the "
@@ -261,6 +277,7 @@ def fsdp_cure(detail: str) -> str | None:
 
 
 _DDP_BACKWARD = "issued by DDP inside backward(): the gradient all-reduce"
+DDP_CONSTRUCTOR = "issued by DDP's constructor: its check and broadcast of the model's parameters"
 
 
 def issued_by(stack: list[dict[str, Any]]) -> str:
@@ -269,7 +286,7 @@ def issued_by(stack: list[dict[str, Any]]) -> str:
     if any(func in ("backward", "_engine_run_backward") for _file, func in names):
         return _DDP_BACKWARD
     if ("distributed.py", "__init__") in names:
-        return "issued by DDP's constructor: its check and broadcast of the model's parameters"
+        return DDP_CONSTRUCTOR
     if any(file == "distributed.py" and func in ("forward", "_pre_forward") for file, func in names):
         return "issued by DDP inside forward(): buffers or bucket order"
     return "issued outside Python (no Python wrapper saw it)"
