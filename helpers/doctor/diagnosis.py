@@ -650,11 +650,11 @@ def _numbered_divergence_now(positions: dict[int, Position]):
     is in their Flight Recorder alone). (key, groups, present) as ``first_divergence`` gives it."""
     by_key: dict[tuple[str, int], dict[int, Op]] = {}
     for rank, pos in sorted(positions.items()):
-        if pos.op is not None and pos.seq is not None and not pos.op.p2p and pos.state in ("in-collective",
-                                                                                           "exited"):
-            op = replace(pos.op, where=pos.op.where or pos.where, file=pos.op.file or pos.file,
-                         line=pos.op.line or pos.line)
-            by_key.setdefault((pos.op.pg, pos.seq), {})[rank] = op
+        if pos.op is None or pos.seq is None or pos.op.p2p or pos.state not in ("in-collective", "exited"):
+            continue
+        op = replace(pos.op, where=pos.op.where or pos.where, file=pos.op.file or pos.file,
+                     line=pos.op.line or pos.line)
+        by_key.setdefault((pos.op.pg, pos.seq), {})[rank] = op
     for key, present in sorted(by_key.items()):
         names = {canonical_op(op.op) for op in present.values()}
         if len(present) < 2 or len(names) > 1 or names & MULTI_OPS:
@@ -1100,8 +1100,8 @@ def _aborted_on_different_calls(exited: list[int], positions: dict[int, Position
     failed in one as it died), some in a different call (another op, or another line): gloo aborts
     a rank whose collective receives more data than its own call expects ('Received data size
     doesn't match expected size. Is there a distributed collective mismatch in your code?',
-    gloo/transport/tcp/pair.cc), and NCCL's watchdog a rank whose collective timed out. Those calls
-    were paired as one collective.
+    gloo/transport/tcp/pair.cc). With every other rank still in a collective (no peer closed its
+    connections first), those calls were paired as one collective.
 
     (culprits, the dead rank, the ranks in another call) or None. Culprits: the ranks in a branch on
     the rank, else on a value each rank decides for itself, else the fewer side, else every rank."""
@@ -1110,8 +1110,7 @@ def _aborted_on_different_calls(exited: list[int], positions: dict[int, Position
     dead = positions[exited[0]]
     others = [p for p in positions.values() if p.rank != dead.rank]
     if not others or any(p.op is None or not (p.state == "in-collective" or p.victim)
-                                           or (None not in (p.seq, dead.seq) and p.seq != dead.seq)
-                                           for p in others):
+                         or (None not in (p.seq, dead.seq) and p.seq != dead.seq) for p in others):
         return None  # some rank was in no collective, or (by their numbers) in another one
     different = [p.rank for p in others if not _same_call_as(dead, p)]
     if not different:

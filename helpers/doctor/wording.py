@@ -497,8 +497,9 @@ def issued_from_cpp_at(pos: Position) -> str:
 
 def _deciding_text(culprits: list[int], present: dict[int, Op], form: str) -> str:
     """The one condition on a per-rank value around the culprits' calls (``decided_per_rank``):
-    form ' ' gives a sentence ('Ranks 0 and 3's call is under ..., a condition each rank decides for
-    itself.'), form '(' a parenthesis (' (their call is under ...)'); '' when there is none."""
+    form ' ' gives a sentence ('The calls of ranks 0 and 3 are under ..., a condition each rank
+    decides for itself.'), form '(' a parenthesis (' (their calls are under ...)'); '' when there is
+    none."""
     deciding = {(op.file, found) for rank in culprits if (op := present.get(rank)) is not None
                 and (found := decided_per_rank(op.file, op.line))}
     if len(deciding) != 1:
@@ -789,8 +790,8 @@ def _deciding_condition(pos: Position) -> str:
 
 def decided_per_rank(file: str | None, line: int | None) -> tuple[int, str, str] | None:
     """The innermost ``if`` around a line when its test is on a value each rank computes for itself
-    (its loss, the clock, a random draw: ``_PER_RANK``), not on the rank ('' for those: the branch on
-    the rank is named as such); None otherwise."""
+    (its loss, the clock, a random draw: ``_PER_RANK``); None otherwise, and for a test on the rank
+    (``rank_condition`` names that branch as one on the rank)."""
     found = enclosing_condition(file, line)
     if found is None or mentions_rank(found[1]) or not _per_rank_value(found[1]):
         return None
