@@ -1549,8 +1549,7 @@ class _Flow:
             if handler.name:
                 self.assign(ast.Name(handler.name), self.control(), handled)
             caught = _text(handler.type) if handler.type is not None else "Exception"
-            raised_alone = not (set(caught.replace("(", " ").replace(")", " ").replace(",", " ").split())
-                                & _ENDINGS)  # StopIteration ends every rank's iterator alike
+            raised_alone = not _caught_names(handler) & _ENDINGS  # StopIteration ends every rank's iterator
             self.guards.append(_Guard(handler, handler.type or ast.Name("Exception"),
                                       f"except {caught}" if raised_alone else None, len(self.loops)))
             merged |= self.block(handler.body, handled)
@@ -1678,6 +1677,12 @@ class _Flow:
             "DIVERGENT_BREAK", node,
             f"`{word}` {self.under(guard)} skips `{op.text}` ({self.mod.parsed.where(call.lineno)}) on some "
             f"ranks, and {self.differs(guard)}: the ranks that do not skip it wait forever in `{op.text}`."))
+
+
+def _caught_names(handler: ast.ExceptHandler) -> set[str]:
+    """The exception classes an except handler names, by their last name ('StopIteration')."""
+    types = handler.type.elts if isinstance(handler.type, ast.Tuple) else [handler.type]
+    return {(_dotted(node) or "").rsplit(".", 1)[-1] for node in types if node is not None}
 
 
 def _with_defaults(args: ast.arguments) -> set[str]:
