@@ -83,7 +83,8 @@ def test_both_strategies_on_one_rank(leftovers):
     assert search.found >= 0.98 * baseline.found
     assert result.ok and result.answer == search.found
     assert result.fit.per_sample_bytes > 0
-    assert result.fit.limit(BUDGET * MIB) in range(search.found - 3, search.failed_above + 3)
+    assert result.fit.limit(BUDGET * MIB) in range(search.found - 3, search.failed_above + 3), (
+        result.fit, [(p.batch_size, p.ok, p.capped_bytes) for p in search.probes])  # the points, if it fails
 
     # the boundary holds in a fresh probe too, within the cap's noise
     assert not memory.probe("mlp", search.failed_above + PROBE_NOISE, BUDGET).ok
