@@ -36,9 +36,21 @@ def is_user_code(filename: str, module: str | None = None) -> bool:
         return True
     if filename.startswith(("<", HELPERS_DIR)) or "/helpers/" in filename:
         return False  # this package, also in a folder kept on another machine
-    if any(part in filename for part in INSTALLED):
+    if installed(filename):
         return False  # installed libraries; a clone (/home/me/accelerate/examples/...) is the user's
     return not filename.startswith(STDLIB)
+
+
+def installed(filename: str) -> bool:
+    """Is the file an installed package's (under site-packages or dist-packages)?"""
+    return any(part in filename for part in INSTALLED)
+
+
+def installed_package(filename: str) -> str | None:
+    """The top-level package (or lone module) of an installed file; None for any other file."""
+    path = filename.replace("\\", "/")
+    marker = next((part for part in INSTALLED if part in path), None)
+    return None if marker is None else path.split(marker, 1)[1].split("/", 1)[0].removesuffix(".py") or None
 
 
 def _user_module(module: str, filename: str) -> bool:

@@ -42,7 +42,7 @@ from helpers.doctor.source import (
     source_line,
 )
 from helpers.rundir import describe_exit
-from helpers.sites import INSTALLED
+from helpers.sites import installed
 
 WORLD_PG = "0"  # the default group's name in the records and the Flight Recorder
 EXIT_CODES = {"ok": 0, "hang": 3, "crash": 4, "mismatch": 5}
@@ -316,7 +316,7 @@ def _callers(view: RankView) -> list[tuple[str, int, str]]:
         callers = [(frame["file"], frame["line"], frame["where"]) for frame in stack if frame.get("user")]
     # the user's own files: an installed package counts as the user's code for a call site, but its
     # loops and branches (a trainer's, a test runner's) are not the user's story
-    return [caller for caller in callers if not any(part in str(caller[0]) for part in INSTALLED)]
+    return [caller for caller in callers if not installed(str(caller[0]))]
 
 
 def rank_branch(pos: Position) -> str | None:
@@ -379,9 +379,10 @@ def _dying_call(view: RankView) -> Op | None:
     """The collective a rank killed by a fatal signal was in, from the stack faulthandler dumped
     as it died ('Fatal Python error: Aborted'): torch's Python function of the op, called from the
     user's line. Its number and shapes are unknown (the record it queued died with it)."""
-    if _FATAL.search(view.stack_text or "") is None:
+    fatal = _FATAL.search(view.stack_text or "")
+    if fatal is None:
         return None
-    stack = faulthandler_stack(view.stack_text[_FATAL.search(view.stack_text).start():])
+    stack = faulthandler_stack(view.stack_text[fatal.start():])
     frame = _innermost_user_frame(stack)
     inside = next((f for f in stack if f["func"] in OPS and "/torch/distributed/" in f["file"]),
                   None)  # the outermost: broadcast_object_list, not the broadcast it issues
@@ -553,7 +554,7 @@ def _own_frame(stack: list[dict[str, Any]]) -> dict[str, Any] | None:
     """The innermost frame of the user's own files: user code that is not an installed package's
     (a package in site-packages counts as the user's for a call site, not for where a rank waits)."""
     for frame in reversed(stack):
-        if frame.get("user") and not any(part in str(frame.get("file")) for part in INSTALLED):
+        if frame.get("user") and not installed(str(frame.get("file"))):
             return frame
     return None
 
@@ -572,8 +573,9 @@ def _classify(positions: dict[int, Position], histories: dict[int, dict], views:
                                (divergence[0][1], -len(divergence[2]))):
         divergence = python  # earlier, or as early and seen by more ranks (a killed rank has no FR)
         histories = python_histories  # what the ranks issued before it, as the same source tells
+    exited = _exited_culprits(positions)
     if divergence is None:
-        aborted = _aborted_on_different_calls(_exited_culprits(positions), positions)
+        aborted = _aborted_on_different_calls(exited, positions)
         if aborted is not None:
             return _aborted_kind(*aborted, positions, views)
         divergence = _numbered_divergence_now(positions) or _current_divergence(positions)
@@ -586,7 +588,6 @@ def _classify(positions: dict[int, Position], histories: dict[int, dict], views:
     unpaired = _unpaired_own_splits(positions)
     if unpaired:
         return "shape-mismatch", *unpaired, wording.SPLIT_CURE
-    exited = _exited_culprits(positions)
     extra = _extra_collectives(positions, exited)
     if extra:
         summary = wording.extra_collective_summary(extra, positions)

@@ -23,7 +23,7 @@ from helpers.doctor.source import (
     rank_condition,
     source_line,
 )
-from helpers.sites import is_user_code
+from helpers.sites import installed_package, is_user_code
 from helpers.trace.callsites import DATALOADER_FILE, DATALOADER_READ
 
 NB_REPRO, NB_EARLY_STOP, NB_MEMORY = params.NB_REPRO, params.NB_EARLY_STOP, params.NB_MEMORY
@@ -324,15 +324,6 @@ def library_below(frame: dict[str, Any], stack: list[dict[str, Any]]) -> str | N
         package = installed_package(str(below.get("file", ""))) if below.get("user") else None
         if package is not None:  # a package the tracer counts as the user's (not torch, not accelerate)
             return f"{package} ({below.get('func')} at {Path(below['file']).name}:{below.get('line')})"
-    return None
-
-
-def installed_package(path: str) -> str | None:
-    """The top-level package of a file under site-packages (or dist-packages); None elsewhere."""
-    parts = path.replace("\\", "/").split("/")
-    for marker in ("site-packages", "dist-packages"):
-        if marker in parts and parts.index(marker) + 1 < len(parts):
-            return parts[parts.index(marker) + 1].removesuffix(".py")  # a package, or a lone module
     return None
 
 
@@ -767,12 +758,11 @@ def aborted_summary(dead: int, different: list[int], positions: dict[int, Positi
     pos = positions[dead]
     said = []
     for other in sorted(different):
-        op, at = positions[other].op, positions[other]
+        at = positions[other]
         issued = ", " + issued_from_cpp_at(at) if other in from_cpp else ""
-        said.append((other, f"in {_op_name(op)}{_at(at)}{issued}"))
-    calls = "; ".join(_together(said))
-    others = (f"while {calls.replace(' in ', ' was in ', 1)}" if len(said) == 1
-              else f"while other ranks were in other calls: {calls}")
+        said.append((other, f"in {_op_name(at.op)}{_at(at)}{issued}"))
+    others = (f"while rank {said[0][0]} was {said[0][1]}" if len(said) == 1
+              else f"while other ranks were in other calls: {'; '.join(_together(said))}")
     return (f"Rank {dead} was {pos.detail} inside {_op_name(pos.op)}{_at(pos)} {others}. "
             f"{PAIRED_APART}{_deciding_condition(pos)}")
 

@@ -24,7 +24,7 @@ from typing import Any
 
 from helpers import report, rundir
 from helpers.trace.callsites import describe_stack
-from helpers.trace.tracer import FLUSH_S
+from helpers.trace.tracer import FLUSH_S, PLAIN_GROUP_DESCS
 
 POLL_S = 0.2  # how often the helper thread notes the process groups' progress
 STACKS_REQUEST = "stacks"  # the request line for every thread's stack (others ask for a state)
@@ -78,9 +78,6 @@ _FR_FIELDS = ("record_id", "collective_seq_id", "p2p_seq_id", "is_p2p", "profili
               "input_sizes", "input_dtypes", "output_sizes", "state", "retired", "time_created_ns")
 
 
-_PLAIN_DESCS = ("", "undefined", "default_pg")  # torch's descriptions that say nothing of the group
-
-
 def flight_recorder_tail(limit: int = FR_TAIL) -> list[dict[str, Any]]:
     """The latest Flight Recorder entries, trimmed to what the doctor reads."""
     dump = flight_recorder(True) or {}
@@ -89,7 +86,7 @@ def flight_recorder_tail(limit: int = FR_TAIL) -> list[dict[str, Any]]:
         item = {key: entry.get(key) for key in _FR_FIELDS}
         group = entry.get("process_group") or ["?"]
         item["pg"] = str(group[0])
-        if len(group) > 1 and group[1] not in _PLAIN_DESCS:  # 'mesh_dp': the DeviceMesh dimension's
+        if len(group) > 1 and group[1] not in PLAIN_GROUP_DESCS:  # 'mesh_dp': the DeviceMesh dimension's
             item["pg_desc"] = str(group[1])
         tail.append(item)
     return tail

@@ -826,6 +826,9 @@ def _dtype_json(dtype: Any) -> str:
 _groups: dict[int, tuple[Any, str]] = {}  # id(group) -> (group, its text), as ``_texts``
 
 
+PLAIN_GROUP_DESCS = ("", "undefined", "default_pg")  # torch's descriptions that say nothing of a group
+
+
 def _group_json(group: Any) -> str:
     """``"pg":"1","pg_ranks":[2,3]``: a group's name and, for a subgroup, its global ranks (the
     doctor knows a group's members before each has issued a collective there) and its description
@@ -848,7 +851,7 @@ def _group_json(group: Any) -> str:
             ranks = [int(rank) for rank in dist.get_process_group_ranks(group)]
             text += f',"pg_ranks":{json.dumps(ranks, separators=(",", ":"))}'
             desc = str(getattr(group, "group_desc", "") or "")
-            if desc not in ("", "undefined", "default_pg"):  # init_device_mesh's 'mesh_dp'
+            if desc not in PLAIN_GROUP_DESCS:  # init_device_mesh's 'mesh_dp'
                 text += f',"pg_desc":{json.dumps(desc)}'
     except Exception:  # noqa: BLE001 - not a group torch knows: its own error comes with the call
         pass
