@@ -122,8 +122,9 @@ def run_rank(job: JobEnv, options: JobOptions, command: list[str]) -> NoReturn:
 
     parent = os.getppid()
     procs.allow_ptrace_by(parent)  # the agent's descendants: the leader's py-spy reads a silent rank
-    if not faulthandler.is_enabled():  # a fatal signal (gloo's abort, a segfault) prints where Python was
-        faulthandler.enable(file=sys.__stderr__, all_threads=False)
+    if not faulthandler.is_enabled():  # a fatal signal (gloo's abort, a segfault) prints where Python was:
+        # every thread's stack, since gloo aborts from its own thread, which has no Python frame
+        faulthandler.enable(file=sys.__stderr__, all_threads=True)
     if options.keep_dir is not None:
         options.keep_dir.mkdir(parents=True, exist_ok=True)
         rundir.clear_rank_record(options.keep_dir, job.rank)
