@@ -9,6 +9,7 @@ import io
 import json
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -1153,22 +1154,46 @@ def _ranks_waiting_for_other_things():
         lock = threading.Lock()
         lock.acquire()
         lock.acquire(timeout=60)  # line: lock
+    elif rank == 4:  # a server that accepts the connection and never answers
+        with socket.create_server(("127.0.0.1", 0)) as server:
+            with socket.create_connection(server.getsockname()) as connection:
+                connection.recv(1)  # line: socket
     dist.all_reduce(torch.ones(2))  # line: waited
+
+
+def _asks_for_input():
+    import torch
+    import torch.distributed as dist
+
+    if dist.get_rank() == 1:
+        input("Log this run? [y/N] ")  # line: input
+    dist.all_reduce(torch.ones(2))
 
 
 def test_a_rank_waiting_outside_torch_is_said_to_wait_for_what_it_waits_for(leftovers):
     # the library frames below the user's line say what it waits for; the DataLoader's cure leads
     # the fix; the DataLoader's worker and the child process end with the run
-    found = doctor.run_function(_ranks_waiting_for_other_things, num_processes=4, stall_s=2.0, timeout_s=60)
-    assert (found.kind, found.ranks) == ("rank-missing", [1, 2, 3]), found.text()
+    found = doctor.run_function(_ranks_waiting_for_other_things, num_processes=5, stall_s=2.0, timeout_s=60)
+    assert (found.kind, found.ranks) == ("rank-missing", [1, 2, 3, 4]), found.text()
     assert f"that rank 0 entered at {HERE}:{_line('waited')}" in found.summary
     assert (f"rank 1 is {wording.DATALOADER_WAIT} at {HERE}:{_line('loader')} (worker pid "
             in found.summary), found.summary  # py-spy read the worker that is busy, not the idle one
     assert f" is sleeping at {HERE}:{_line('worker')} in __getitem__); " in found.summary, found.summary
     assert found.summary.count("worker pid ") == 1, found.summary
     assert (f"; rank 2 is waiting for a child process at {HERE}:{_line('child')}; "
-            f"rank 3 is waiting to acquire a lock at {HERE}:{_line('lock')}.") in found.summary, found.summary
+            f"rank 3 is waiting to acquire a lock at {HERE}:{_line('lock')}; "
+            f"rank 4 is waiting on the network (a socket) at {HERE}:{_line('socket')}.") in found.summary, \
+        found.summary
     assert found.fix.startswith(wording.DATALOADER_CURE)
+    leftovers.check()
+
+
+def test_input_on_a_launched_rank_is_told_why_it_reads_nothing(leftovers):
+    # the doctor's ranks read /dev/null: input() raises EOFError, and the cure for a prompt leads the fix
+    found = doctor.run_function(_asks_for_input, num_processes=2, stall_s=2.0, timeout_s=60)
+    assert (found.kind, found.ranks) == ("rank-exited", [1]), found.text()
+    assert f"Rank 1 raised EOFError: EOF when reading a line at {HERE}:{_line('input')}" in found.summary
+    assert found.fix.startswith("input() on a launched rank"), found.fix
     leftovers.check()
 
 

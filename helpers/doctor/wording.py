@@ -57,6 +57,9 @@ FIXES = {
 _WORKER_LOOP_FILE = "/torch/utils/data/_utils/worker.py"
 DATALOADER_WAIT = "waiting for a batch from its DataLoader's worker processes"
 FILE_LOCK_WAIT = "waiting for a file lock"  # a dataset or model cache's, most often (on shared storage)
+STDIN_WAIT = "waiting for input on stdin"  # a rank's line calls input()
+NETWORK_WAIT = "waiting on the network"
+
 DATALOADER_CURE = (
     "Its DataLoader's worker processes have not delivered the next batch: a worker is slow or stuck "
     "in the dataset's __getitem__ or collate_fn, or died. DataLoader(..., timeout=S) makes the wait "
@@ -86,6 +89,13 @@ KNOWN_ERRORS = [
      "out-of-memory killer: fewer workers, smaller batches) or, in a container, out of shared memory: "
      "the workers hand batches over through /dev/shm, which Docker makes 64 MB unless told otherwise "
      "(run it with --ipc=host or --shm-size, as PyTorch's README says for its own images)."),
+    (re.compile(r"EOF when reading a line|" + re.escape(STDIN_WAIT)),
+     "input() on a launched rank: nobody answers at its standard input. The doctor's ranks read "
+     "end-of-file (their stdin is /dev/null); torchrun's ranks wait on torchrun's own stdin, started in "
+     "a session of their own, and a batch job has no terminal; meanwhile the other ranks wait in their "
+     "next collective. Take the answer before the launch, the same on every rank: a command-line "
+     "argument or an environment variable; a library that prompts for a login reads its key from the "
+     "environment (HF_TOKEN for the Hugging Face Hub, WANDB_API_KEY for Weights & Biases)."),
     (re.compile(r"CUDA out of memory|OutOfMemoryError"),
      f"CUDA ran out of memory on that rank: {NB_MEMORY} finds the largest batch that fits; "
      "PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True helps when the error says much memory is "
@@ -339,15 +349,16 @@ _WAITS = (
     ("/threading.py", {"join", "_wait_for_tstate_lock"}, "waiting for a thread to end"),
     ("/threading.py", None, "waiting on a threading Event, Condition or Barrier"),
     ("/multiprocessing/", None, "waiting on another process (multiprocessing)"),
-    ("/socket.py", None, "waiting on the network"),
-    ("/ssl.py", None, "waiting on the network"),
-    ("/http/client.py", None, "waiting on the network"),
+    ("/socket.py", None, NETWORK_WAIT),
+    ("/ssl.py", None, NETWORK_WAIT),
+    ("/http/client.py", None, NETWORK_WAIT),
     ("/selectors.py", None, "waiting on a socket or pipe"),
     ("/torch/cuda/__init__.py", {"synchronize"}, "waiting for the GPU (torch.cuda.synchronize)"),
 )
 _WAITING_LINES = ((re.compile(r"\b(flock|lockf)\("), FILE_LOCK_WAIT),
                   (re.compile(r"\.acquire\("), "waiting to acquire a lock"),
-                  (re.compile(r"(^|[^\w.])input\("), "waiting for input on stdin"))
+                  (re.compile(r"\.(recv|recv_into|recvfrom|recvmsg|accept)\("), f"{NETWORK_WAIT} (a socket)"),
+                  (re.compile(r"(^|[^\w.])input\("), STDIN_WAIT))
 
 
 def waiting_for(frame: dict[str, Any], stack: list[dict[str, Any]]) -> str | None:
