@@ -25,7 +25,7 @@ import pytest
 from conftest import result_of, run_each
 
 from helpers import doctor, procs, scenarios
-from helpers.doctor import EXIT_CODES, job, leader, runs
+from helpers.doctor import EXIT_CODES, job, leader, runs, wording
 from helpers.doctor.board import Board
 
 FIXTURE = Path(__file__).parent / "fixtures" / "job" / "job_script.py"
@@ -179,6 +179,27 @@ def test_a_healthy_job_with_a_late_rank_is_left_alone_and_exits_0(script, tmp_pa
     data = _json(outcome)
     assert (data["verdict"], data["kind"]) == ("ok", "ok")
     assert "doctor: ok" not in outcome.outputs[0]  # a healthy job prints nothing of the doctor's
+    assert not any("ran the script alone" in output for output in outcome.outputs)
+    leftovers.check()
+
+
+def test_ranks_that_each_ran_alone_are_told_so_once_per_node(tmp_path, leftovers):
+    # without a GPU, a plain Accelerator() under torchrun makes a process group of the world and then
+    # runs each rank as the only process; a script that never joins a group runs alone too
+    script = tmp_path / "alone.py"
+    script.write_text("import os\n"
+                      "if os.environ['MODE'] == 'accelerate':\n"
+                      "    from accelerate import Accelerator\n"
+                      "    print('processes', Accelerator().num_processes)\n")
+    for mode, why in (("accelerate", wording.ALONE_IN_ACCELERATE), ("plain", wording.ALONE_WITHOUT_GROUP)):
+        outcome = runs.run_job([str(script)], tmp_path / mode, stall_s=STALL_S, timeout_s=TIMEOUT_S,
+                               env={"MODE": mode})
+        assert outcome.agent_codes == [0, 0], outcome.outputs[1][-3000:]
+        for node, first_rank in enumerate((0, 2)):
+            notes = [line for line in outcome.outputs[node].splitlines() if "ran the script alone" in line]
+            assert len(notes) == 1, outcome.outputs[node][-3000:]
+            assert notes[0].startswith(f"doctor: note: rank {first_rank} of 4 ran the script alone ({why}): ")
+        assert "Accelerator(cpu=True)" in notes[0]
     leftovers.check()
 
 

@@ -48,7 +48,7 @@ from pathlib import Path
 from typing import Any, NoReturn
 
 from helpers import procs, redact, report, rundir, trace
-from helpers.doctor import pyspy
+from helpers.doctor import pyspy, wording
 from helpers.doctor.board import SILENT_S, Board, Seen
 from helpers.doctor.diagnosis import EXIT_CODES, Diagnosis
 from helpers.doctor.leader import (
@@ -141,9 +141,26 @@ def run_rank(job: JobEnv, options: JobOptions, command: list[str]) -> NoReturn:
     if error is not None:
         traceback.print_exception(error)
     watchdog.wait_for_verdict()
+    alone = watchdog.ran_alone() if code == 0 else None
+    if alone:  # one line per node
+        print(f"doctor: note: {wording.RAN_ALONE.format(rank=job.rank, world=job.world, why=alone)}",
+              file=sys.stderr)
     # a script that ended because the doctor stopped the job (its collective failed as the other
     # ranks left) leaves as a rank the watchdog ends: with the processes it started
     _leave(watchdog.code_after_end(code), from_main=True, stop_children=watchdog.stop_code is not None)
+
+
+def _group_is_up() -> bool:
+    import torch.distributed as dist  # imported by the script already, if it used it
+
+    return dist.is_available() and dist.is_initialized()
+
+
+def _accelerate_processes() -> int | None:
+    """The number of processes accelerate's state holds, if the script made one."""
+    state = sys.modules.get("accelerate.state")
+    shared = getattr(getattr(state, "PartialState", None), "_shared_state", None) or {}
+    return shared.get("num_processes")
 
 
 def _exit_record(code: int, error: BaseException | None) -> dict[str, Any]:
@@ -498,6 +515,20 @@ class Watchdog(threading.Thread):
         if self.board is None:
             return  # the store was never reached: nobody to wait for
         self.decided.wait(LINGER_S)
+
+    def ran_alone(self) -> str | None:
+        """Why this rank, the first on its node, ran the script on its own in a world of several
+        (accelerate's state of one process, or no process group ever joined); None if it did not,
+        and for the node's other ranks."""
+        if self.job.world < 2 or os.environ.get("LOCAL_RANK", "0") != "0":
+            return None
+        if _accelerate_processes() == 1:  # accelerate made a group of the world, then used none of it
+            return wording.ALONE_IN_ACCELERATE
+        # its records as the watchdog read them: a group made without the traced name (a device
+        # mesh's) shows in its collectives, or is still up
+        if trace.joined() or self.view.ops or _group_is_up():
+            return None
+        return wording.ALONE_WITHOUT_GROUP
 
     def code_after_end(self, code: int) -> int:
         """The exit code once the script ended: its own, or the doctor's when a stop is pending."""

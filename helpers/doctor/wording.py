@@ -103,6 +103,14 @@ KNOWN_ERRORS = [
 ]
 
 
+RAN_ALONE = (
+    "rank {rank} of {world} ran the script alone ({why}): no collective, nothing shared with the other "
+    "ranks. accelerate's Accelerator() on a machine without a GPU runs distributed only when told to use "
+    "the CPU (accelerate/state.py): Accelerator(cpu=True), or ACCELERATE_USE_CPU=true in the launch's "
+    "environment; a plain torch script calls torch.distributed.init_process_group itself.")
+ALONE_IN_ACCELERATE = "accelerate's state has 1 process, DistributedType.NO"
+ALONE_WITHOUT_GROUP = "it never joined a process group"
+
 SPLIT_CURE = (
     "Send each rank the split sizes it will receive before the data: an all_to_all_single of a tensor "
     "of this rank's input_split_sizes gives every rank its output_split_sizes (rank i's input split j "

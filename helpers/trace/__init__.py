@@ -126,6 +126,12 @@ def flush(wait: bool | float = True) -> None:
         tracer.flush(wait)
 
 
+def joined() -> bool:
+    """Has this process's ``init_process_group`` returned, as traced (False without a tracer)?"""
+    tracer = _tracing.current
+    return tracer is not None and tracer.joined
+
+
 def finish(status: str, error: BaseException | None = None) -> None:
     """Write the rank's last records: how it ended, its final progress and Flight Recorder tail.
 

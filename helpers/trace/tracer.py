@@ -85,6 +85,7 @@ class Tracer:
         self.unwaited: collections.deque = collections.deque()  # (op id, weak ref to its work)
         self.on_first: Callable[[str], None] | None = None  # told each first call's record text
         self.closed = False
+        self.joined = False  # init_process_group returned (through torch.distributed's own name)
 
     def write(self, record: dict[str, Any], wait: bool = True) -> bool:
         """Write the queue, then ``record`` (it is on file when this returns True); ``wait=False``:
@@ -303,6 +304,7 @@ def _wrap_init(original: Callable) -> Callable:
             tracer.write({"ev": "end", "id": op_id, "t": time.time(), "ok": False,
                           "error": f"{type(exc).__name__}: {exc}"[:800]})
             raise
+        tracer.joined = True
         tracer.write({"ev": "end", "id": op_id, "t": time.time(), "ok": True})
         return result
 
