@@ -1161,6 +1161,33 @@ def _ranks_waiting_for_other_things():
     dist.all_reduce(torch.ones(2))  # line: waited
 
 
+def _two_threads_issue_in_turns_that_differ():
+    import threading
+
+    import torch
+    import torch.distributed as dist
+
+    group = dist.distributed_c10d._get_default_group()
+    rank = dist.get_rank()
+
+    def issued(count):  # this rank's calls on the group so far: a call counts once it is issued
+        deadline = time.monotonic() + 30
+        while group._get_sequence_number_for_group() < count and time.monotonic() < deadline:
+            time.sleep(0.001)
+
+    def metrics():
+        if rank == 1:
+            issued(1)  # rank 1: after its main thread's call; rank 0: before it
+        dist.all_reduce(torch.ones(1))  # line: metrics of a thread
+
+    thread = threading.Thread(target=metrics, daemon=True)
+    thread.start()
+    if rank == 0:
+        issued(1)
+    dist.all_reduce(torch.ones(8))  # line: main of the threads
+    thread.join()
+
+
 def _asks_for_input():
     import torch
     import torch.distributed as dist
@@ -1185,6 +1212,20 @@ def test_a_rank_waiting_outside_torch_is_said_to_wait_for_what_it_waits_for(left
             f"rank 4 is waiting on the network (a socket) at {HERE}:{_line('socket')}.") in found.summary, \
         found.summary
     assert found.fix.startswith(wording.DATALOADER_CURE)
+    leftovers.check()
+
+
+def test_collectives_from_two_threads_in_a_different_order_on_each_rank_are_named(leftovers):
+    # rank 0's metrics thread issues collective #1 and its main thread #2; rank 1 the other way round:
+    # gloo pairs 1 float with 8 and aborts a rank, whose dump shows both threads in their calls; the
+    # other's Flight Recorder names the thread of each call
+    found = doctor.run_function(_two_threads_issue_in_turns_that_differ, num_processes=2, stall_s=2.0,
+                                timeout_s=60)
+    assert (found.kind, found.ranks) == ("collective-mismatch", [0, 1]), found.text()
+    main, metrics = f"{HERE}:{_line('main of the threads')}", f"{HERE}:{_line('metrics of a thread')}"
+    assert (f"issued collectives on the default group from 2 threads: all_reduce at {main} (the main "
+            f"thread) and all_reduce at {metrics} (another thread)") in found.summary, found.summary
+    assert found.fix.startswith(wording.THREADS_CURE)
     leftovers.check()
 
 

@@ -36,6 +36,7 @@ from helpers.doctor.source import (
     enclosing_function,
     enclosing_loop,
     faulthandler_stack,
+    faulthandler_threads,
     goes_first_block,
     opposite_branches,
     rank_conditional,
@@ -169,6 +170,12 @@ def diagnose(views: dict[int, RankView], num_processes: int, reason: str,
         culprits = sorted(rank for rank, size in sizes.items() if size < max(sizes.values()))
         summary += wording.batch_sizes_text(sizes)
         cures = [wording.BATCH_SIZE_CURE, *cures]
+    threads = {rank: found for rank, view in views.items() if (found := _threads_on_one_group(view))}
+    if threads and kind in (*_THREADS_EXPLAIN, "collective-mismatch"):  # calls paired in any order
+        if kind != "collective-mismatch":
+            kind, culprits = "collective-mismatch", sorted(threads)
+        summary += wording.threads_text(threads)
+        cures = [wording.THREADS_CURE, *cures]
     verdict = _verdict(kind, reason, positions)
     if verdict == "ok":
         detected_after_s = None
@@ -177,6 +184,11 @@ def diagnose(views: dict[int, RankView], num_processes: int, reason: str,
                         reason=reason, detected_at=time.time())
     fix = wording.fix(kind, [positions[rank] for rank in culprits if rank in positions], cures)
     return Diagnosis(verdict, kind, culprits, summary, fix, detected_after_s, per_rank, evidence)
+
+
+# what calls of two threads, met in a different order on each rank, leave: a rank gloo aborted, sizes
+# that differ, nothing recognisable (a mismatch of calls keeps its own culprits)
+_THREADS_EXPLAIN = ("rank-exited", "shape-mismatch", "unknown")
 
 
 def _batch_sizes(views: dict[int, RankView]) -> dict[int, int]:
@@ -379,17 +391,43 @@ def _dying_call(view: RankView) -> Op | None:
     """The collective a rank killed by a fatal signal was in, from the stack faulthandler dumped
     as it died ('Fatal Python error: Aborted'): torch's Python function of the op, called from the
     user's line. Its number and shapes are unknown (the record it queued died with it)."""
+    return _dying_calls(view).get("main")
+
+
+def _dying_calls(view: RankView) -> dict[str, Op]:
+    """``_dying_call`` of each of the rank's threads that was in a collective ("main" or its id)."""
     fatal = _FATAL.search(view.stack_text or "")
     if fatal is None:
-        return None
-    stack = faulthandler_stack(view.stack_text[fatal.start():])
-    frame = _innermost_user_frame(stack)
-    inside = next((f for f in stack if f["func"] in OPS and "/torch/distributed/" in f["file"]),
-                  None)  # the outermost: broadcast_object_list, not the broadcast it issues
-    if inside is None or frame is None:
-        return None
-    return Op(op=inside["func"], seq=None, where=frame["where"], file=frame["file"], line=frame["line"],
-              source="stack")
+        return {}
+    calls = {}
+    for thread, stack in faulthandler_threads(view.stack_text[fatal.start():]):
+        frame = _innermost_user_frame(stack)
+        inside = next((f for f in stack if f["func"] in OPS and "/torch/distributed/" in f["file"]),
+                      None)  # the outermost: broadcast_object_list, not the broadcast it issues
+        if inside is not None and frame is not None:
+            calls[thread] = Op(op=inside["func"], seq=None, where=frame["where"], file=frame["file"],
+                               line=frame["line"], source="stack")
+    return calls
+
+
+def _threads_on_one_group(view: RankView) -> dict[str, Op] | None:
+    """The latest call of each of the rank's threads that issued collectives on one process group,
+    when two or more did ({"main" or a thread's id: call}); else None. Read from its Flight
+    Recorder (each entry names its thread) matched with its Python calls by number, and from the
+    stack faulthandler dumped as it died (every thread's), each line's group as its records say.
+    C++'s own calls (DDP's, from autograd's threads) are left out: they have no Python call."""
+    python = _collectives(view)
+    numbered = {(op.pg, op.seq): op for op in python if op.seq is not None}
+    group_of = {op.where: op.pg for op in python if op.where}
+    seen: dict[str, dict[str, Op]] = {}  # group: thread: its latest call
+    for entry in (view.state or {}).get("fr") or []:
+        op = numbered.get((str(entry.get("pg")), entry.get("collective_seq_id")))
+        if entry.get("thread") and op is not None and not entry.get("is_p2p"):
+            seen.setdefault(op.pg, {})[entry["thread"]] = op
+    for thread, op in _dying_calls(view).items():
+        if op.where in group_of:
+            seen.setdefault(group_of[op.where], {})[thread] = replace(op, pg=group_of[op.where])
+    return next((threads for threads in seen.values() if len(threads) > 1), None)
 
 
 _FATAL = re.compile(r"^Fatal Python error: ", re.MULTILINE)  # faulthandler's header at a fatal signal

@@ -361,19 +361,25 @@ _FH_FRAME = re.compile(r'^\s+File "(?P<file>[^"]+)", line (?P<line>\d+) in (?P<f
 
 
 def faulthandler_stack(text: str) -> list[dict[str, Any]]:
-    """The main thread's frames (outermost first) from faulthandler's last dump in ``text``.
+    """The main thread's frames (outermost first) from faulthandler's last dump in ``text``."""
+    mains = [frames for thread, frames in faulthandler_threads(text) if thread == "main"]
+    return mains[-1] if mains else []
 
-    The main thread is the one running a module's code (a ``<module>`` frame).
-    """
+
+def faulthandler_threads(text: str) -> list[tuple[str, list[dict[str, Any]]]]:
+    """Each thread's frames (outermost first) in faulthandler's dumps in ``text``, in order, named as
+    the Flight Recorder's entries are (``helpers.trace.helper.flight_recorder_tail``): "main" for
+    the main thread, the one running a module's code (a ``<module>`` frame), else its id."""
     if not text:
         return []
-    starts = [m.start() for m in _FH_THREAD.finditer(text)]  # none: not a dump (cut off), no frames
-    blocks = [text[a:b] for a, b in zip(starts, [*starts[1:], len(text)][:len(starts)], strict=True)]
-    dumps: list[list[dict[str, Any]]] = []
-    for block in blocks:
+    heads = list(_FH_THREAD.finditer(text))  # none: not a dump (cut off), no frames
+    ends = [head.start() for head in heads[1:]] + [len(text)]
+    threads = []
+    for head, end in zip(heads, ends, strict=True):
         frames = [{"file": m["file"], "line": int(m["line"]), "func": m["func"],
                    "user": is_user_code(m["file"]), "where": f"{Path(m['file']).name}:{m['line']}"}
-                  for m in _FH_FRAME.finditer(block)][::-1]
-        if any(frame["func"] == "<module>" for frame in frames):
-            dumps.append(frames)
-    return dumps[-1] if dumps else []
+                  for m in _FH_FRAME.finditer(text, head.end(), end)][::-1]
+        ident = re.search(r"0x[0-9a-f]+", head.group())
+        main = any(frame["func"] == "<module>" for frame in frames)
+        threads.append(("main" if main else str(int(ident.group(), 16)) if ident else "?", frames))
+    return threads

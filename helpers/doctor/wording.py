@@ -103,6 +103,14 @@ KNOWN_ERRORS = [
 ]
 
 
+THREADS_CURE = (
+    "Issue each process group's collectives from one thread. A thread that needs collectives of its "
+    "own (metrics, logging, a background evaluation) gets a group of its own: create it on every rank, "
+    "in the same order, with dist.new_group(...) before the thread starts, and pass group= to its "
+    "calls; torch pairs calls within a group, so the two threads' calls never meet each other.")
+THREADS_MEET = (" Calls from two threads reach the group in whichever order the threads run, which "
+                "differs from rank to rank: one rank's call is then paired with another's different call.")
+
 RAN_ALONE = (
     "rank {rank} of {world} ran the script alone ({why}): no collective, nothing shared with the other "
     "ranks. accelerate's Accelerator() on a machine without a GPU runs distributed only when told to use "
@@ -973,6 +981,20 @@ def crossed_groups_summary(ranks: list[int], positions: dict[int, Position],
     return (f"{ranks_text(ranks)} each wait in a collective of a group whose other members have not "
             f"issued it and wait in another group's instead: {'; '.join(parts)}. They issue the "
             "collectives of groups that share ranks in different orders.")
+
+
+def threads_text(threads: dict[int, dict[str, Op]]) -> str:
+    """' Rank 0 issued collectives on the default group from 2 threads: all_reduce at a.py:19 (the
+    main thread) and all_reduce at a.py:13 (another thread); so did rank 1.' and why that fails."""
+    first = min(threads)
+    ordered = sorted(threads[first].items(), key=lambda item: item[0] != "main")  # the main thread first
+    calls = [f"{_op_name(op)}{' at ' + op.where if op.where else ''} "
+             f"({'the main thread' if thread == 'main' else 'another thread'})" for thread, op in ordered]
+    listed = ", ".join(calls[:-1]) + f" and {calls[-1]}"
+    others = [rank for rank in threads if rank != first]
+    also = f"; so did {ranks_text(others)[0].lower()}{ranks_text(others)[1:]}" if others else ""
+    return (f" Rank {first} issued collectives on {group_text(ordered[0][1], {})} from {len(calls)} "
+            f"threads: {listed}{also}.{THREADS_MEET}")
 
 
 def group_text(op: Op, members: dict[str, list[int]]) -> str:
