@@ -173,7 +173,7 @@ def diagnose(views: dict[int, RankView], num_processes: int, reason: str,
     threads = {rank: found for rank, view in views.items() if (found := _threads_on_one_group(view))}
     if threads and kind in (*_THREADS_EXPLAIN, "collective-mismatch"):  # calls paired in any order
         if kind != "collective-mismatch":
-            kind, culprits = "collective-mismatch", sorted(threads)
+            kind, culprits = "collective-mismatch", sorted({*culprits, *threads})  # and the aborted
         summary += wording.threads_text(threads)
         cures = [wording.THREADS_CURE, *cures]
     verdict = _verdict(kind, reason, positions)

@@ -370,9 +370,9 @@ def faulthandler_threads(text: str) -> list[tuple[str, list[dict[str, Any]]]]:
     """Each thread's frames (outermost first) in faulthandler's dumps in ``text``, in order, named as
     the Flight Recorder's entries are (``helpers.trace.helper.flight_recorder_tail``): "main" for
     the main thread, the one running a module's code (a ``<module>`` frame), else its id."""
-    if not text:
+    heads = list(_FH_THREAD.finditer(text or ""))
+    if not heads:  # not a dump (cut off): no frames
         return []
-    heads = list(_FH_THREAD.finditer(text))  # none: not a dump (cut off), no frames
     ends = [head.start() for head in heads[1:]] + [len(text)]
     threads = []
     for head, end in zip(heads, ends, strict=True):
