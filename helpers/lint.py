@@ -12,6 +12,8 @@ script breaks that, before it hangs on a cluster:
   that can differ between ranks (not the result of check_trigger, gather, reduce or broadcast);
 - ``DIVERGENT_BRANCH``: a collective on one side of an if on such a value (``if time.time() - last
   > 30: accelerator.reduce(loss)``), which some ranks may not take;
+- ``COLLECTIVE_IN_THREAD``: a collective on the default group in a function run as a thread of
+  its own (``threading.Thread(target=log_metrics)``) while the file issues collectives outside it;
 - ``NONEXISTENT_API``: misremembered accelerate names such as ``set_breakpoint``;
 - ``CUDA_BEFORE_LAUNCH``: CUDA (or an ``Accelerator``) touched at top level before
   ``notebook_launcher``, which forks.
@@ -68,6 +70,13 @@ RULES: dict[str, str] = {
         "log_every == 0:), or reduce the value first (accelerator.reduce or gather) so that every rank "
         "takes the same side; or call the collective on every rank and use its result where needed. "
         f"{NB_REPRO} builds a runnable repro."
+    ),
+    "COLLECTIVE_IN_THREAD": (
+        "Issue each process group's collectives from one thread: make the thread a group of its own, "
+        "created on every rank in the same order before the thread starts (metrics_group = "
+        "dist.new_group(...)), and pass group=metrics_group to its calls; torch pairs calls within a "
+        "group, so the two threads' calls never meet. Or hand the values to the main thread and reduce "
+        "them there."
     ),
     "NONEXISTENT_API": (
         "Use the existing name the message gives (accelerate's API reference lists every Accelerator "
@@ -952,6 +961,7 @@ class _Module:
         for scope in [self.tree, *(fn for defs in self.functions.values() for fn in defs)]:
             raws += _Flow(self, scope).raws
         raws += self._check_goes_first()
+        raws += self._check_threads()
         raws += self._check_api()
         raws += self._check_launch_order()
         return self._to_findings(raws)
@@ -1036,6 +1046,52 @@ class _Module:
                            f"({self.parsed.where(node.lineno)}), which runs its block on the main process "
                            "while the other ranks wait in a barrier: the collective meets that barrier "
                            "and the job hangs.")
+
+    def _check_threads(self) -> Iterator[_Raw]:
+        """COLLECTIVE_IN_THREAD: a collective without ``group=`` in a function of this file started as
+        a thread (``threading.Thread(target=f)``, ``threading.Timer(s, f)``), while the file issues
+        collectives (``backward`` included: DDP's all-reduce) outside what that function reaches. The
+        two threads' calls reach the default group in whichever order they run on each rank."""
+        starts = [(start, target.id) for start in self.of(ast.Call)
+                  if (target := _thread_target(start, self.canonical(start.func))) is not None
+                  and target.id in self.functions and target.id not in self.methods_only]
+        runs = {name: self._ops_in(self._reached_from(name)) for _, name in starts}
+        in_threads = [pair for ops in runs.values() for pair in ops]
+        for start, name in starts:
+            others = [pair for pair in self._all_ops if pair not in runs[name]]
+            if not others:
+                continue  # every collective runs in that thread: one thread issues them all
+            other_op, other = next((pair for pair in others if pair not in in_threads), others[0])
+            for op, call in runs[name]:
+                if any(keyword.arg == "group" for keyword in call.keywords) or self.callee(call):
+                    continue  # its own group; a call of a function of the file: flagged inside it
+                scope = self.scope_of[id(call)]
+                inside = f"`{name}`" if getattr(scope, "name", name) == name else \
+                    f"`{scope.name}`, which `{name}` calls,"
+                yield _Raw("COLLECTIVE_IN_THREAD", call,
+                           f"`{op.text}` {op.why}, in {inside} run as a thread of its own "
+                           f"(`{_text(start)}`, {self.parsed.where(start.lineno)}), while this file issues "
+                           f"collectives on the same group outside it (`{other_op.text}`, "
+                           f"{self.parsed.where(other.lineno)}): the two threads' calls reach the group in "
+                           "an order that differs from rank to rank, and the ranks pair different calls "
+                           "(a hang, or gloo ending a rank on sizes that differ).")
+
+    def _ops_in(self, names: set[str]) -> list[tuple[_Op, ast.Call]]:
+        """The file's collective calls inside the functions named."""
+        defs = [fn for name in names for fn in self.functions[name]]
+        return [(op, call) for op, call in self._all_ops
+                if any(fn.lineno <= call.lineno <= (fn.end_lineno or fn.lineno) for fn in defs)]
+
+    def _reached_from(self, name: str) -> set[str]:
+        """The functions of this file that ``name`` runs, itself included (by the names it calls)."""
+        reached, todo = {name}, [name]
+        while todo:
+            for call in self.fn_calls.get(todo.pop(), []):
+                callee = self.callee(call)
+                if callee is not None and callee not in reached:
+                    reached.add(callee)
+                    todo.append(callee)
+        return reached
 
     def _check_rank_decorators(self) -> Iterator[_Raw]:
         for defs in self.functions.values():
@@ -1177,6 +1233,18 @@ def _api_fix(right: str) -> str:
         return RULES["NONEXISTENT_API"]
     trigger = "trigger" in right
     return f"Use `{right}`." + (f" {TRIGGER_FIX}" if trigger else "")
+
+
+def _thread_target(call: ast.Call, name: str | None) -> ast.Name | None:
+    """The function a ``threading.Thread(target=f)`` or ``threading.Timer(s, f)`` call runs, by name."""
+    if name == "threading.Thread":
+        target = next((k.value for k in call.keywords if k.arg == "target"), None)
+    elif name == "threading.Timer":
+        target = next((k.value for k in call.keywords if k.arg == "function"),
+                      call.args[1] if len(call.args) > 1 else None)
+    else:
+        return None
+    return target if isinstance(target, ast.Name) else None
 
 
 def _rank_env_read(node: ast.AST) -> bool:
