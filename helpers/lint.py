@@ -104,6 +104,12 @@ DIST_COLLECTIVES = {
     name: "is a barrier" if name.endswith("barrier") else "is a torch.distributed collective"
     for name in sorted(collectives.COLLECTIVES)
 }
+# where a torch.distributed collective takes its group by position (torch 2.13's signatures)
+GROUP_POSITION = {"barrier": 0, "monitored_barrier": 0, "all_reduce": 2, "broadcast": 2, "all_gather": 2,
+                  "all_gather_into_tensor": 2, "all_gather_object": 2, "all_to_all": 2,
+                  "broadcast_object_list": 2, "reduce": 3, "gather": 3, "gather_object": 3, "scatter": 3,
+                  "scatter_object_list": 3, "reduce_scatter": 3, "reduce_scatter_tensor": 3,
+                  "all_to_all_single": 4}
 # accelerate.utils functions and Accelerator methods (accelerate/utils/operations.py, accelerator.py)
 ACCELERATE_UTIL_COLLECTIVES = {
     "gather": "all-gathers a tensor from every rank",
@@ -1057,13 +1063,15 @@ class _Module:
                   and target.id in self.functions and target.id not in self.methods_only]
         runs = {name: self._ops_in(self._reached_from(name)) for _, name in starts}
         in_threads = [pair for ops in runs.values() for pair in ops]
+        on_default = [pair for pair in self._all_ops
+                      if not self.callee(pair[1]) and self._default_group(pair[1])]
         for start, name in starts:
-            others = [pair for pair in self._all_ops if pair not in runs[name]]
+            others = [pair for pair in on_default if pair not in runs[name]]
             if not others:
-                continue  # every collective runs in that thread: one thread issues them all
+                continue  # every collective on the default group runs in that thread
             other_op, other = next((pair for pair in others if pair not in in_threads), others[0])
             for op, call in runs[name]:
-                if any(keyword.arg == "group" for keyword in call.keywords) or self.callee(call):
+                if (op, call) not in on_default:
                     continue  # its own group; a call of a function of the file: flagged inside it
                 scope = self.scope_of[id(call)]
                 inside = f"`{name}`" if getattr(scope, "name", name) == name else \
@@ -1075,6 +1083,16 @@ class _Module:
                            f"{self.parsed.where(other.lineno)}): the two threads' calls reach the group in "
                            "an order that differs from rank to rank, and the ranks pair different calls "
                            "(a hang, or gloo ending a rank on sizes that differ).")
+
+    def _default_group(self, call: ast.Call) -> bool:
+        """Does a collective call run on the default group (no group passed, or ``group=None``)?"""
+        group = next((keyword.value for keyword in call.keywords if keyword.arg == "group"), None)
+        canon = self.canonical(call.func) or ""
+        position = GROUP_POSITION.get(canon.rsplit(".", 1)[-1]) if canon.startswith("torch.distributed.") \
+            else None
+        if group is None and position is not None and len(call.args) > position:
+            group = call.args[position]
+        return group is None or (isinstance(group, ast.Constant) and group.value is None)
 
     def _ops_in(self, names: set[str]) -> list[tuple[_Op, ast.Call]]:
         """The file's collective calls inside the functions named."""

@@ -1172,7 +1172,9 @@ def _two_threads_issue_in_turns_that_differ():
 
     def issued(count):  # this rank's calls on the group so far: a call counts once it is issued
         deadline = time.monotonic() + 30
-        while group._get_sequence_number_for_group() < count and time.monotonic() < deadline:
+        while group._get_sequence_number_for_group() < count:
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"the other thread's call #{count} was never issued")
             time.sleep(0.001)
 
     def metrics():
@@ -1225,6 +1227,10 @@ def test_collectives_from_two_threads_in_a_different_order_on_each_rank_are_name
     main, metrics = f"{HERE}:{_line('main of the threads')}", f"{HERE}:{_line('metrics of a thread')}"
     assert (f"issued collectives on the default group from 2 threads: all_reduce at {main} (the main "
             f"thread) and all_reduce at {metrics} (another thread)") in found.summary, found.summary
+    # the rank that was not aborted is named from its Flight Recorder, each entry with its thread
+    survivors = [rank for rank in (0, 1) if found.per_rank[rank].exit_code != -signal.SIGABRT]
+    assert all(f"Rank {rank} issued" in found.summary or f"so did rank {rank}" in found.summary
+               for rank in survivors), found.summary
     assert found.fix.startswith(wording.THREADS_CURE)
     leftovers.check()
 

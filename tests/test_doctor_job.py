@@ -193,7 +193,7 @@ def test_ranks_that_each_ran_alone_are_told_so_once_per_node(tmp_path, leftovers
                       "    print('processes', Accelerator().num_processes)\n")
     for mode, why in (("accelerate", wording.ALONE_IN_ACCELERATE), ("plain", wording.ALONE_WITHOUT_GROUP)):
         outcome = runs.run_job([str(script)], tmp_path / mode, stall_s=STALL_S, timeout_s=TIMEOUT_S,
-                               env={"MODE": mode})
+                               env={"MODE": mode, "CUDA_VISIBLE_DEVICES": ""})  # no GPU, as here
         assert outcome.agent_codes == [0, 0], outcome.outputs[1][-3000:]
         for node, first_rank in enumerate((0, 2)):
             notes = [line for line in outcome.outputs[node].splitlines() if "ran the script alone" in line]

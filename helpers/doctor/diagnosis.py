@@ -11,6 +11,7 @@ Kinds (stable names): ok, collective-mismatch, shape-mismatch, rank-missing, ran
 
 from __future__ import annotations
 
+import collections
 import re
 import signal
 import time
@@ -171,8 +172,9 @@ def diagnose(views: dict[int, RankView], num_processes: int, reason: str,
         summary += wording.batch_sizes_text(sizes)
         cures = [wording.BATCH_SIZE_CURE, *cures]
     threads = {rank: found for rank, view in views.items() if (found := _threads_on_one_group(view))}
-    if threads and kind in (*_THREADS_EXPLAIN, "collective-mismatch"):  # calls paired in any order
-        if kind != "collective-mismatch":
+    aborted = any(_aborted_inside(pos) for pos in positions.values())
+    if threads and (kind in _THREADS_EXPLAIN or (kind == "rank-exited" and aborted)):
+        if kind != "collective-mismatch":  # calls met in any order: sizes or calls that differ
             kind, culprits = "collective-mismatch", sorted({*culprits, *threads})  # and the aborted
         summary += wording.threads_text(threads)
         cures = [wording.THREADS_CURE, *cures]
@@ -186,9 +188,9 @@ def diagnose(views: dict[int, RankView], num_processes: int, reason: str,
     return Diagnosis(verdict, kind, culprits, summary, fix, detected_after_s, per_rank, evidence)
 
 
-# what calls of two threads, met in a different order on each rank, leave: a rank gloo aborted, sizes
-# that differ, nothing recognisable (a mismatch of calls keeps its own culprits)
-_THREADS_EXPLAIN = ("rank-exited", "shape-mismatch", "unknown")
+# what calls of two threads, met in a different order on each rank, leave: calls or sizes that differ,
+# nothing recognisable, or a rank gloo aborted (a mismatch of calls keeps its own culprits)
+_THREADS_EXPLAIN = ("collective-mismatch", "shape-mismatch", "unknown")
 
 
 def _batch_sizes(views: dict[int, RankView]) -> dict[int, int]:
@@ -391,43 +393,57 @@ def _dying_call(view: RankView) -> Op | None:
     """The collective a rank killed by a fatal signal was in, from the stack faulthandler dumped
     as it died ('Fatal Python error: Aborted'): torch's Python function of the op, called from the
     user's line. Its number and shapes are unknown (the record it queued died with it)."""
-    return _dying_calls(view).get("main")
+    return next((op for op, main in _dying_calls(view).values() if main), None)
 
 
-def _dying_calls(view: RankView) -> dict[str, Op]:
-    """``_dying_call`` of each of the rank's threads that was in a collective ("main" or its id)."""
+def _dying_calls(view: RankView) -> dict[str, tuple[Op, bool]]:
+    """``_dying_call`` of each of the rank's threads that was in a collective: {its id: (the call,
+    whether it is the main thread)}."""
     fatal = _FATAL.search(view.stack_text or "")
     if fatal is None:
         return {}
     calls = {}
-    for thread, stack in faulthandler_threads(view.stack_text[fatal.start():]):
+    for thread, main, stack in faulthandler_threads(view.stack_text[fatal.start():]):
         frame = _innermost_user_frame(stack)
         inside = next((f for f in stack if f["func"] in OPS and "/torch/distributed/" in f["file"]),
                       None)  # the outermost: broadcast_object_list, not the broadcast it issues
         if inside is not None and frame is not None:
-            calls[thread] = Op(op=inside["func"], seq=None, where=frame["where"], file=frame["file"],
-                               line=frame["line"], source="stack")
+            calls[thread] = (Op(op=inside["func"], seq=None, where=frame["where"], file=frame["file"],
+                                line=frame["line"], source="stack"), main)
     return calls
 
 
-def _threads_on_one_group(view: RankView) -> dict[str, Op] | None:
-    """The latest call of each of the rank's threads that issued collectives on one process group,
-    when two or more did ({"main" or a thread's id: call}); else None. Read from its Flight
-    Recorder (each entry names its thread) matched with its Python calls by number, and from the
-    stack faulthandler dumped as it died (every thread's), each line's group as its records say.
-    C++'s own calls (DDP's, from autograd's threads) are left out: they have no Python call."""
+def _threads_on_one_group(view: RankView) -> dict[str, tuple[Op, bool]] | None:
+    """Two or more of the rank's threads issuing collectives on one process group where it failed:
+    {a thread's id: (its latest call there, whether it is the main thread)}; else None.
+
+    Either the stack faulthandler dumped as the rank died shows two threads inside collectives on
+    one group (each line's group as its records say), or its Flight Recorder (each entry names its
+    thread) shows the group's last two calls from two threads, each entry matched with the Python
+    call of its number. C++'s own calls (DDP's, from autograd's threads) have no Python call and
+    are left out, as are numbers two Python calls took (read as two threads raced) and ranks that
+    used p2p ops (whose numbers drift from the Python calls').
+    """
     python = _collectives(view)
-    numbered = {(op.pg, op.seq): op for op in python if op.seq is not None}
     group_of = {op.where: op.pg for op in python if op.where}
-    seen: dict[str, dict[str, Op]] = {}  # group: thread: its latest call
+    dying: dict[str, dict[str, tuple[Op, bool]]] = {}
+    for thread, (op, main) in _dying_calls(view).items():
+        if op.where in group_of:
+            dying.setdefault(group_of[op.where], {})[thread] = (replace(op, pg=group_of[op.where]), main)
+    found = next((threads for threads in dying.values() if len(threads) > 1), None)
+    if found is not None or view.used_p2p:
+        return found
+    taken = collections.Counter((op.pg, op.seq) for op in python if op.seq is not None)
+    numbered = {(op.pg, op.seq): op for op in python if op.seq is not None and taken[(op.pg, op.seq)] == 1}
+    calls: dict[str, list[tuple[str, Op, bool]]] = {}  # group: (thread, call, main), oldest first
     for entry in (view.state or {}).get("fr") or []:
         op = numbered.get((str(entry.get("pg")), entry.get("collective_seq_id")))
         if entry.get("thread") and op is not None and not entry.get("is_p2p"):
-            seen.setdefault(op.pg, {})[entry["thread"]] = op
-    for thread, op in _dying_calls(view).items():
-        if op.where in group_of:
-            seen.setdefault(group_of[op.where], {})[thread] = replace(op, pg=group_of[op.where])
-    return next((threads for threads in seen.values() if len(threads) > 1), None)
+            calls.setdefault(op.pg, []).append((entry["thread"], op, bool(entry.get("main"))))
+    for group in calls.values():
+        if len(group) > 1 and group[-1][0] != group[-2][0]:  # the threads took turns as it failed
+            return {thread: (op, main) for thread, op, main in group}
+    return None
 
 
 _FATAL = re.compile(r"^Fatal Python error: ", re.MULTILINE)  # faulthandler's header at a fatal signal

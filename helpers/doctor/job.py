@@ -48,6 +48,7 @@ from pathlib import Path
 from typing import Any, NoReturn
 
 from helpers import procs, redact, report, rundir, trace
+from helpers.collectives import INIT_OP
 from helpers.doctor import pyspy, wording
 from helpers.doctor.board import SILENT_S, Board, Seen
 from helpers.doctor.diagnosis import EXIT_CODES, Diagnosis
@@ -123,7 +124,9 @@ def run_rank(job: JobEnv, options: JobOptions, command: list[str]) -> NoReturn:
     parent = os.getppid()
     procs.allow_ptrace_by(parent)  # the agent's descendants: the leader's py-spy reads a silent rank
     if not faulthandler.is_enabled():  # a fatal signal (gloo's abort, a segfault) prints where Python was:
-        # every thread's stack, since gloo aborts from its own thread, which has no Python frame
+        # every thread's stack, since gloo aborts from its own thread, which has no Python frame (the
+        # trade-off helpers.launch.rank makes too: reading other threads' frames from the handler can
+        # crash the dump in rare cases, cpython#116008; the rank was dying anyway)
         faulthandler.enable(file=sys.__stderr__, all_threads=True)
     if options.keep_dir is not None:
         options.keep_dir.mkdir(parents=True, exist_ok=True)
@@ -151,7 +154,8 @@ def run_rank(job: JobEnv, options: JobOptions, command: list[str]) -> NoReturn:
 
 
 def _group_is_up() -> bool:
-    import torch.distributed as dist  # imported by the script already, if it used it
+    """Is this process's default process group up now?"""
+    import torch.distributed as dist  # imported by the tracer already
 
     return dist.is_available() and dist.is_initialized()
 
@@ -522,10 +526,12 @@ class Watchdog(threading.Thread):
         and for the node's other ranks."""
         if self.job.world < 2 or os.environ.get("LOCAL_RANK", "0") != "0":
             return None
+        # its records as the watchdog read them: a collective, on a group made with the traced name
+        # or without it (a device mesh's)
+        if any(op.op != INIT_OP for op in self.view.ops.values()):
+            return None
         if _accelerate_processes() == 1:  # accelerate made a group of the world, then used none of it
             return wording.ALONE_IN_ACCELERATE
-        # its records as the watchdog read them: a group made without the traced name (a device
-        # mesh's) shows in its collectives, or is still up
         if trace.joined() or self.view.ops or _group_is_up():
             return None
         return wording.ALONE_WITHOUT_GROUP

@@ -362,14 +362,14 @@ _FH_FRAME = re.compile(r'^\s+File "(?P<file>[^"]+)", line (?P<line>\d+) in (?P<f
 
 def faulthandler_stack(text: str) -> list[dict[str, Any]]:
     """The main thread's frames (outermost first) from faulthandler's last dump in ``text``."""
-    mains = [frames for thread, frames in faulthandler_threads(text) if thread == "main"]
+    mains = [frames for _thread, main, frames in faulthandler_threads(text) if main]
     return mains[-1] if mains else []
 
 
-def faulthandler_threads(text: str) -> list[tuple[str, list[dict[str, Any]]]]:
-    """Each thread's frames (outermost first) in faulthandler's dumps in ``text``, in order, named as
-    the Flight Recorder's entries are (``helpers.trace.helper.flight_recorder_tail``): "main" for
-    the main thread, the one running a module's code (a ``<module>`` frame), else its id."""
+def faulthandler_threads(text: str) -> list[tuple[str, bool, list[dict[str, Any]]]]:
+    """Each thread in faulthandler's dumps in ``text``, in order: (its id, as Python's
+    ``threading.get_ident()`` and the Flight Recorder write it, or "?"; whether it is the main
+    thread, the one running a module's code (a ``<module>`` frame); its frames, outermost first)."""
     heads = list(_FH_THREAD.finditer(text or ""))
     if not heads:  # not a dump (cut off): no frames
         return []
@@ -381,5 +381,5 @@ def faulthandler_threads(text: str) -> list[tuple[str, list[dict[str, Any]]]]:
                   for m in _FH_FRAME.finditer(text, head.end(), end)][::-1]
         ident = re.search(r"0x[0-9a-f]+", head.group())
         main = any(frame["func"] == "<module>" for frame in frames)
-        threads.append(("main" if main else str(int(ident.group(), 16)) if ident else "?", frames))
+        threads.append((str(int(ident.group(), 16)) if ident else "?", main, frames))
     return threads

@@ -90,12 +90,13 @@ KNOWN_ERRORS = [
      "the workers hand batches over through /dev/shm, which Docker makes 64 MB unless told otherwise "
      "(run it with --ipc=host or --shm-size, as PyTorch's README says for its own images)."),
     (re.compile(r"EOF when reading a line|" + re.escape(STDIN_WAIT)),
-     "input() on a launched rank: nobody answers at its standard input. The doctor's ranks read "
-     "end-of-file (their stdin is /dev/null); torchrun's ranks wait on torchrun's own stdin, started in "
-     "a session of their own, and a batch job has no terminal; meanwhile the other ranks wait in their "
-     "next collective. Take the answer before the launch, the same on every rank: a command-line "
-     "argument or an environment variable; a library that prompts for a login reads its key from the "
-     "environment (HF_TOKEN for the Hugging Face Hub, WANDB_API_KEY for Weights & Biases)."),
+     "input() on a launched rank: no one can answer every rank alike at its standard input. The "
+     "doctor's ranks read end-of-file (their stdin is /dev/null); torchrun's ranks share torchrun's own "
+     "stdin, started in a session of their own, and a batch job has no terminal; meanwhile the other "
+     "ranks wait in their next collective. Take the answer before the launch, the same on every "
+     "rank: a command-line argument or an environment variable; a library that prompts for a login "
+     "reads its key from the environment (HF_TOKEN for the Hugging Face Hub, WANDB_API_KEY for "
+     "Weights & Biases)."),
     (re.compile(r"CUDA out of memory|OutOfMemoryError"),
      f"CUDA ran out of memory on that rank: {NB_MEMORY} finds the largest batch that fits; "
      "PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True helps when the error says much memory is "
@@ -113,10 +114,11 @@ THREADS_MEET = (" Calls from two threads reach the group in whichever order the 
 
 RAN_ALONE = (
     "rank {rank} of {world} ran the script alone ({why}): no collective, nothing shared with the other "
-    "ranks. accelerate's Accelerator() on a machine without a GPU runs distributed only when told to use "
-    "the CPU (accelerate/state.py): Accelerator(cpu=True), or ACCELERATE_USE_CPU=true in the launch's "
-    "environment; a plain torch script calls torch.distributed.init_process_group itself.")
-ALONE_IN_ACCELERATE = "accelerate's state has 1 process, DistributedType.NO"
+    "ranks. If they were meant to work together: accelerate's Accelerator() on a machine without a GPU "
+    "runs distributed only when told to use the CPU (accelerate/state.py): Accelerator(cpu=True), or "
+    "ACCELERATE_USE_CPU=true in the launch's environment; a plain torch script calls "
+    "torch.distributed.init_process_group itself.")
+ALONE_IN_ACCELERATE = "accelerate's state has 1 process"
 ALONE_WITHOUT_GROUP = "it never joined a process group"
 
 SPLIT_CURE = (
@@ -983,17 +985,18 @@ def crossed_groups_summary(ranks: list[int], positions: dict[int, Position],
             "collectives of groups that share ranks in different orders.")
 
 
-def threads_text(threads: dict[int, dict[str, Op]]) -> str:
+def threads_text(threads: dict[int, dict[str, tuple[Op, bool]]]) -> str:
     """' Rank 0 issued collectives on the default group from 2 threads: all_reduce at a.py:19 (the
-    main thread) and all_reduce at a.py:13 (another thread); so did rank 1.' and why that fails."""
+    main thread) and all_reduce at a.py:13 (another thread); so did rank 1.' and why that fails.
+    ``threads``: by rank, {a thread's id: (its call, whether it is the main thread)}."""
     first = min(threads)
-    ordered = sorted(threads[first].items(), key=lambda item: item[0] != "main")  # the main thread first
+    ordered = sorted(threads[first].values(), key=lambda call: not call[1])  # the main thread first
     calls = [f"{_op_name(op)}{' at ' + op.where if op.where else ''} "
-             f"({'the main thread' if thread == 'main' else 'another thread'})" for thread, op in ordered]
+             f"({'the main thread' if main else 'another thread'})" for op, main in ordered]
     listed = ", ".join(calls[:-1]) + f" and {calls[-1]}"
-    others = [rank for rank in threads if rank != first]
-    also = f"; so did {ranks_text(others)[0].lower()}{ranks_text(others)[1:]}" if others else ""
-    return (f" Rank {first} issued collectives on {group_text(ordered[0][1], {})} from {len(calls)} "
+    others = ranks_text([rank for rank in threads if rank != first]) if len(threads) > 1 else ""
+    also = f"; so did {others[0].lower()}{others[1:]}" if others else ""
+    return (f" Rank {first} issued collectives on {group_text(ordered[0][0], {})} from {len(calls)} "
             f"threads: {listed}{also}.{THREADS_MEET}")
 
 

@@ -79,16 +79,17 @@ _FR_FIELDS = ("record_id", "collective_seq_id", "p2p_seq_id", "is_p2p", "profili
 
 
 def flight_recorder_tail(limit: int = FR_TAIL) -> list[dict[str, Any]]:
-    """The latest Flight Recorder entries, trimmed to what the doctor reads, each with the thread
-    that issued it: "main", or the thread's id (torch records Python's ``threading.get_ident()``;
-    not its name: a thread that ended leaves its id to the next one started)."""
+    """The latest Flight Recorder entries, trimmed to what the doctor reads, each with the id of
+    the thread that issued it ("thread": torch records Python's ``threading.get_ident()``; not its
+    name, as a thread that ended leaves its id to the next one) and whether that is the main thread."""
     dump = flight_recorder(True) or {}
     main = str(threading.main_thread().ident)
     tail = []
     for entry in (dump.get("entries") or [])[-limit:]:
         item = {key: entry.get(key) for key in _FR_FIELDS}
         if entry.get("thread_id") is not None:
-            item["thread"] = "main" if str(entry["thread_id"]) == main else str(entry["thread_id"])
+            item["thread"] = str(entry["thread_id"])
+            item["main"] = item["thread"] == main
         group = entry.get("process_group") or ["?"]
         item["pg"] = str(group[0])
         if len(group) > 1 and group[1] not in PLAIN_GROUP_DESCS:  # 'mesh_dp': the DeviceMesh dimension's
