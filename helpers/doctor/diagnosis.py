@@ -174,8 +174,9 @@ def diagnose(views: dict[int, RankView], num_processes: int, reason: str,
     threads = {rank: found for rank, view in views.items() if (found := _threads_on_one_group(view))}
     aborted = any(_aborted_inside(pos) for pos in positions.values())
     if threads and (kind in _THREADS_EXPLAIN or (kind == "rank-exited" and aborted)):
-        if kind != "collective-mismatch":  # calls met in any order: sizes or calls that differ
-            kind, culprits = "collective-mismatch", sorted({*culprits, *threads})  # and the aborted
+        # calls met in any order: sizes or calls that differ; every rank whose threads took turns,
+        # with the ranks the evidence named (one whose dump or records are lost, the one gloo aborted)
+        kind, culprits = "collective-mismatch", sorted({*culprits, *threads})
         summary += wording.threads_text(threads)
         cures = [wording.THREADS_CURE, *cures]
     verdict = _verdict(kind, reason, positions)
