@@ -504,6 +504,63 @@ def test_a_flight_recorder_entry_belongs_to_the_call_whose_times_hold_it_not_the
     assert (found[("0", 33)].op, found[("0", 33)].line) == ("all_reduce", 51)
 
 
+def _view_of_calls(calls, fr_threads):
+    """A rank's view: Python calls (op, seq, line, start, end) on the default group, and its Flight
+    Recorder entries of those numbers, each issued by the thread given (thread id, main thread?)."""
+    from helpers.doctor.records import RankView
+
+    view = RankView(0)
+    for op_id, (name, seq, line, start, end) in enumerate(calls):
+        view.apply({"ev": "op", "id": op_id, "op": name, "pg": "0", "seq": seq, "t": start, "where":
+                    f"train.py:{line}", "line": line, **({"te": end, "ok": True} if end is not None else {})})
+    view.state = {"fr": [{"pg": "0", "collective_seq_id": call[1], "profiling_name": f"gloo:{call[0]}",
+                          "thread": thread, "main": main, "retired": call[4] is not None}
+                         for call, (thread, main) in zip(calls, fr_threads, strict=True)]}
+    return view
+
+
+def test_two_threads_are_evidence_only_when_both_were_in_flight_at_the_end():
+    main, other = ("140", True), ("977", False)
+    turns = _view_of_calls([("all_reduce", 1, 19, 1.0, None), ("all_reduce", 2, 13, 1.2, None)],
+                           [main, other])
+    found = diagnosis_module._threads_on_one_group(turns)
+    assert {thread: (op.where, is_main) for thread, (op, is_main) in found.items()} == {
+        "140": ("train.py:19", True), "977": ("train.py:13", False)}
+    # a worker thread joined before the main thread's next call: one after the other, never at once
+    joined = _view_of_calls([("all_reduce", 1, 13, 1.0, 1.1), ("barrier", 2, 25, 2.0, None)], [other, main])
+    assert diagnosis_module._threads_on_one_group(joined) is None
+    # a thread that ran once, long before the end (a setup step), is not the failure's cause
+    earlier = _view_of_calls([("barrier", 1, 5, 1.0, None), ("all_reduce", 2, 19, 2.0, 2.1),
+                              ("all_reduce", 3, 19, 3.0, None)], [other, main, main])
+    assert diagnosis_module._threads_on_one_group(earlier) is None
+    # a number two Python calls took (the threads raced reading it) cannot be matched: left out
+    raced = _view_of_calls([("all_reduce", 1, 19, 1.0, None), ("all_reduce", 1, 13, 1.2, None)],
+                           [main, other])
+    assert diagnosis_module._threads_on_one_group(raced) is None
+
+
+def test_a_dump_names_each_thread_by_the_id_the_flight_recorder_uses(tmp_path):
+    import faulthandler
+    import threading
+
+    started, release = threading.Event(), threading.Event()
+    worker = threading.Thread(target=lambda: (started.set(), release.wait(30)))
+    worker.start()
+    started.wait(30)
+    try:
+        with open(tmp_path / "stack.txt", "w+") as handle:
+            faulthandler.dump_traceback(handle, all_threads=True)
+            handle.seek(0)
+            text = handle.read()
+    finally:
+        release.set()
+        worker.join()
+    threads = {thread: main for thread, main, _frames in source.faulthandler_threads(text)}
+    assert threads[str(worker.ident)] is False
+    assert threads[str(threading.main_thread().ident)] is True
+    assert source.faulthandler_threads("Thread 0x1 (most recent call first):") == [("1", False, [])]
+
+
 def _subgroup_member_stays_behind():
     import torch
     import torch.distributed as dist

@@ -420,10 +420,10 @@ def _threads_on_one_group(view: RankView) -> dict[str, tuple[Op, bool]] | None:
 
     Either the stack faulthandler dumped as the rank died shows two threads inside collectives on
     one group (each line's group as its records say), or its Flight Recorder (each entry names its
-    thread) shows the group's last two calls from two threads, each entry matched with the Python
-    call of its number. C++'s own calls (DDP's, from autograd's threads) have no Python call and
-    are left out, as are numbers two Python calls took (read as two threads raced) and ranks that
-    used p2p ops (whose numbers drift from the Python calls').
+    thread) shows the group's last two calls from two threads, in flight at once, each entry
+    matched with the Python call of its number. C++'s own calls (DDP's, from autograd's threads)
+    have no Python call and are left out, as are numbers two Python calls took (read as two threads
+    raced) and ranks that used p2p ops (whose numbers drift from the Python calls').
     """
     python = _collectives(view)
     group_of = {op.where: op.pg for op in python if op.where}
@@ -442,9 +442,15 @@ def _threads_on_one_group(view: RankView) -> dict[str, tuple[Op, bool]] | None:
         if entry.get("thread") and op is not None and not entry.get("is_p2p"):
             calls.setdefault(op.pg, []).append((entry["thread"], op, bool(entry.get("main"))))
     for group in calls.values():
-        if len(group) > 1 and group[-1][0] != group[-2][0]:  # the threads took turns as it failed
-            return {thread: (op, main) for thread, op, main in group}
+        if len(group) > 1 and group[-1][0] != group[-2][0] and _overlap(group[-2][1], group[-1][1]):
+            return {thread: (op, main) for thread, op, main in group}  # both in flight as it failed
     return None
+
+
+def _overlap(earlier: Op, later: Op) -> bool:
+    """Did ``later`` start before ``earlier`` returned (two threads' calls in flight at once, not
+    one thread's calls after another thread was joined)?"""
+    return later.start is not None and (earlier.end is None or later.start < earlier.end)
 
 
 _FATAL = re.compile(r"^Fatal Python error: ", re.MULTILINE)  # faulthandler's header at a fatal signal

@@ -208,9 +208,11 @@ def run_command_rank(argv: list[str], traced: bool) -> NoReturn:
         procs.set_parent_death_signal(int(os.environ[rundir.ENV_PARENT]))
         procs.allow_ptrace_by(int(os.environ[rundir.ENV_PARENT]))
     else:  # under torchrun, which stops ranks with SIGTERM: leave their stacks for a post-mortem
-        # only the thread the signal interrupts (the main one): walking the others' stacks from a
-        # signal handler can segfault while the helper thread runs Python (see trace.dump_stacks)
-        faulthandler.register(signal.SIGTERM, file=stack_handle, all_threads=False, chain=True)
+        # every thread's: the kernel hands the signal to any thread, and about 1 stop in 8 it was one
+        # of torch's, with no Python frame, so a dump of the interrupted thread alone held nothing.
+        # Walking the other threads from the handler can crash the dump while the helper thread
+        # runs Python (cpython#116008; see trace.dump_stacks): the rank is being stopped anyway
+        faulthandler.register(signal.SIGTERM, file=stack_handle, all_threads=True, chain=True)
     if traced:
         trace.install(run_dir, rank)
     code = _run_as_main(argv, run_dir, rank)
