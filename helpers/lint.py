@@ -1067,8 +1067,8 @@ class _Module:
                       if not self.callee(pair[1]) and self._default_group(pair[1])]
         for start, name in starts:
             others = [pair for pair in on_default if pair not in runs[name]]
-            if not others:
-                continue  # every collective on the default group runs in that thread
+            if not others or self._joined_alone(start):
+                continue  # every collective on the default group runs in that thread, or runs after it
             other_op, other = next((pair for pair in others if pair not in in_threads), others[0])
             for op, call in runs[name]:
                 if (op, call) not in on_default:
@@ -1099,6 +1099,20 @@ class _Module:
         defs = [fn for name in names for fn in self.functions[name]]
         return [(op, call) for op, call in self._all_ops
                 if any(fn.lineno <= call.lineno <= (fn.end_lineno or fn.lineno) for fn in defs)]
+
+    def _joined_alone(self, start: ast.Call) -> bool:
+        """Is the thread made by ``start`` (``worker = threading.Thread(...)``) joined in the same
+        scope (``worker.join()``) with no collective between the two: its calls, then the others'?"""
+        made = next((node.targets[0].id for node in self.of(ast.Assign) if node.value is start
+                     and len(node.targets) == 1 and isinstance(node.targets[0], ast.Name)), None)
+        scope = self.scope_of[id(start)]
+        joins = [call.lineno for call in self.calls_in[id(scope)] if made is not None
+                 and isinstance(call.func, ast.Attribute) and call.func.attr == "join"
+                 and isinstance(call.func.value, ast.Name) and call.func.value.id == made
+                 and call.lineno > start.lineno]
+        between = [call for _op, call in self._all_ops
+                   if self.scope_of[id(call)] is scope and joins and start.lineno < call.lineno < min(joins)]
+        return bool(joins) and not between
 
     def _reached_from(self, name: str) -> set[str]:
         """The functions of this file that ``name`` runs, itself included (by the names it calls)."""
