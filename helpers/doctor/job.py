@@ -528,7 +528,7 @@ class Watchdog(threading.Thread):
             return None
         # its records as the watchdog read them: a collective, on a group made with the traced name
         # or without it (a device mesh's)
-        if any(op.op != INIT_OP for op in self.view.ops.values()):
+        if any(op.op != INIT_OP for op in list(self.view.ops.values())):  # the watchdog adds to it
             return None
         if _accelerate_processes() == 1:  # accelerate made a group of the world, then used none of it
             return wording.ALONE_IN_ACCELERATE
