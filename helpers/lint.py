@@ -1106,13 +1106,12 @@ class _Module:
         made = next((node.targets[0].id for node in self.of(ast.Assign) if node.value is start
                      and len(node.targets) == 1 and isinstance(node.targets[0], ast.Name)), None)
         scope = self.scope_of[id(start)]
-        joins = [call.lineno for call in self.calls_in[id(scope)] if made is not None
-                 and isinstance(call.func, ast.Attribute) and call.func.attr == "join"
-                 and isinstance(call.func.value, ast.Name) and call.func.value.id == made
-                 and call.lineno > start.lineno]
-        between = [call for _op, call in self._all_ops
-                   if self.scope_of[id(call)] is scope and joins and start.lineno < call.lineno < min(joins)]
-        return bool(joins) and not between
+        joins = [call.lineno for call in self.calls_in[id(scope)]
+                 if _dotted(call.func) == f"{made}.join" and call.lineno > start.lineno]
+        if made is None or not joins:
+            return False
+        return not any(self.scope_of[id(call)] is scope and start.lineno < call.lineno < min(joins)
+                       for _op, call in self._all_ops)
 
     def _reached_from(self, name: str) -> set[str]:
         """The functions of this file that ``name`` runs, itself included (by the names it calls)."""

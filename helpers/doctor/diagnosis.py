@@ -32,7 +32,7 @@ from helpers.collectives import (
     canonical_op,
 )
 from helpers.doctor import wording
-from helpers.doctor.records import Evidence, Op, Position, RankView, fr_op
+from helpers.doctor.records import WORLD_PG, Evidence, Op, Position, RankView, fr_op
 from helpers.doctor.source import (
     enclosing_function,
     enclosing_loop,
@@ -46,7 +46,6 @@ from helpers.doctor.source import (
 from helpers.rundir import describe_exit
 from helpers.sites import installed
 
-WORLD_PG = "0"  # the default group's name in the records and the Flight Recorder
 EXIT_CODES = {"ok": 0, "hang": 3, "crash": 4, "mismatch": 5}
 KINDS = ("ok", "collective-mismatch", "shape-mismatch", "rank-missing", "rank-exited", "unknown")
 FIXES = wording.FIXES

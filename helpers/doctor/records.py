@@ -23,12 +23,14 @@ from helpers.collectives import FR_DTYPES, SHAPE_CHECKED, canonical_op
 KEPT_OPS = 4096  # Python-level records kept per rank in memory
 
 
+WORLD_PG = "0"  # the default group's name in the records and the Flight Recorder
+
 @dataclass
 class Op:
     """One operation as one rank saw it (a Python-level record, or a Flight Recorder entry)."""
 
     op: str
-    pg: str = "0"
+    pg: str = WORLD_PG
     seq: int | None = None
     shapes: list | None = None
     dtypes: list | None = None

@@ -13,7 +13,7 @@ from typing import Any
 
 from helpers import params
 from helpers.collectives import OBJECT_LISTS, ROOTS, canonical_op
-from helpers.doctor.records import Op, Position
+from helpers.doctor.records import WORLD_PG, Op, Position
 from helpers.doctor.source import (
     enclosing_condition,
     enclosing_loop,
@@ -994,8 +994,8 @@ def threads_text(threads: dict[int, dict[str, tuple[Op, bool]]]) -> str:
     calls = [f"{_op_name(op)}{' at ' + op.where if op.where else ''} "
              f"({'the main thread' if main else 'another thread'})" for op, main in ordered]
     listed = ", ".join(calls[:-1]) + f" and {calls[-1]}"
-    others = ranks_text([rank for rank in threads if rank != first]) if len(threads) > 1 else ""
-    also = f"; so did {others[0].lower()}{others[1:]}" if others else ""
+    others = [rank for rank in threads if rank != first]
+    also = f"; so did {ranks_text(others).lower()}" if others else ""
     return (f" Rank {first} issued collectives on {group_text(ordered[0][0], {})} from {len(calls)} "
             f"threads: {listed}{also}.{THREADS_MEET}")
 
@@ -1003,7 +1003,7 @@ def threads_text(threads: dict[int, dict[str, tuple[Op, bool]]]) -> str:
 def group_text(op: Op, members: dict[str, list[int]]) -> str:
     """'the default group' (torch names it "0"), 'group 1 (ranks 2 and 3)', "group 1 'mesh_dp'
     (ranks 0 and 2)" (torch's description of a DeviceMesh dimension's group) for an op's group."""
-    if op.pg == "0":
+    if op.pg == WORLD_PG:
         return "the default group"
     name = f"{op.pg} '{op.pg_desc}'" if op.pg_desc else op.pg
     ranks = members.get(op.pg)
