@@ -85,6 +85,9 @@ def test_a_hang_on_the_second_node_is_named_and_every_rank_ends_with_exit_3(scri
     assert outcome.rank_codes == {0: 3, 1: 3, 2: 3, 3: 3}, outcome.outputs[0][-2000:]
     assert "doctor: hang (rank-missing)" in outcome.outputs[0]  # the leader's stderr
     assert "doctor: rank 3 stopped: hang" in outcome.outputs[1]
+    # a rank whose barrier failed as the others left says so in a line, not a traceback blaming a
+    # "remote worker crashing" (gloo's words)
+    assert not any("run_as_main" in output for output in outcome.outputs), outcome.outputs
     leftovers.check()
 
 

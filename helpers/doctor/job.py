@@ -36,6 +36,7 @@ from __future__ import annotations
 import atexit
 import faulthandler
 import os
+import re
 import signal
 import socket
 import sys
@@ -141,7 +142,10 @@ def run_rank(job: JobEnv, options: JobOptions, command: list[str]) -> NoReturn:
     os._exit = watchdog.script_exits  # type: ignore[assignment] - a script's own os._exit says so first
     code, error = run_as_main(command)
     watchdog.ended(_exit_record(code, error))  # before the traceback: SIGTERM may come meanwhile
-    if error is not None:
+    if error is not None and watchdog.stop_code is not None:  # an echo of the stop, not a cause
+        print(f"doctor: rank {job.rank}'s script then failed as the other ranks left on the doctor's stop "
+              f"({_first_line(error)})", file=sys.stderr)
+    elif error is not None:
         traceback.print_exception(error)
     watchdog.wait_for_verdict()
     alone = watchdog.ran_alone() if code == 0 else None
@@ -709,6 +713,17 @@ def _main_site() -> dict[str, Any] | None:
     code = user.f_code
     return {"file": code.co_filename, "line": user.f_lineno, "func": code.co_name, "user": True,
             "where": trace.label(code.co_filename, user.f_lineno)}
+
+
+_SOURCE_PREFIX = re.compile(r"^\[[^\]]*\.(?:cc|cpp|h|hpp):\d+\]\s*")
+
+
+def _first_line(error: BaseException) -> str:
+    """An exception as its type and the first line of its message, cut at 200 characters."""
+    lines = str(error).strip().splitlines()
+    first = _SOURCE_PREFIX.sub("", lines[0]) if lines else ""  # gloo's "[.../pair.cc:553] "
+    text = f"{type(error).__name__}: {first}" if first else type(error).__name__
+    return text if len(text) <= 200 else text[:199] + "…"
 
 
 def _connection_lost(error: Exception) -> bool:
