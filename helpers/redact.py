@@ -69,8 +69,10 @@ _SHAPES: list[tuple[tuple[str, ...], re.Pattern[str], str]] = [
     # scheme://user:password@host
     (("://",), re.compile(r"(?i)\b([a-z][a-z0-9+.\-]{0,20}://[^/\s:@\"'<>]{1,256}):([^/\s@\"'<>]{1,256})@"),
      rf"\1:{REDACTED}@"),
-    # --hf-token VALUE / --password=VALUE on command lines
-    (("--",), re.compile(rf"(?i)(--[a-z][a-z0-9\-]{{0,40}}{_CRED_WORD}[a-z0-9\-]{{0,40}})([ =])"
+    # --hf-token VALUE / --password=VALUE / --api_key VALUE on command lines (not a count of
+    # tokens or a tokenizer's name: --max-tokens 512, --tokenizer gpt2)
+    (("--",), re.compile(r"(?i)(--[a-z0-9_\-]{0,40}(?:TOKEN(?!S?IZ|S\b|S[-_])|SECRET|PASSWORD|PASSWD|KEY|"
+                         r"CRED|AUTH|COOKIE|SESSION|PRIVATE)[a-z0-9_\-]{0,40})([ =])"
                          r"(?!<redacted>)([^\s\"']+)"), rf"\1\2{REDACTED}"),
 ]
 _CRED_ANY = re.compile(_CRED_WORD, re.I)

@@ -55,6 +55,9 @@ def test_extra_values_are_redacted():
     "postgres://admin:hunter2hunter2@db:5432/x",
     'config = {"api_key": "abc123xyz987"}',
     "python train.py --hf-token abcdef123456 --lr 3e-4",
+    "python train.py --password abcdef123456",
+    "python train.py --token abcdef123456",
+    "python train.py --wandb_api_key=abcdef123456",
     "AccountKey=Zm9vYmFyYmF6==;EndpointSuffix=core.windows.net",
     "export MY_SECRET=plain-looking-value",
     'password: "tr0ub4dor&3"',
@@ -77,6 +80,7 @@ def test_shapes_are_redacted(text):
     '{"max_session_len": 100}',
     "tokenizer = AutoTokenizer.from_pretrained(name)",
     "hf_hub_download(repo_id)",
+    "python train.py --max-tokens 512 --tokenizer gpt2 --tokens_per_batch 4096",
 ])
 def test_look_alikes_are_left_alone(text):
     assert redact.redact_text(text) == text
