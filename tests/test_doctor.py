@@ -835,6 +835,69 @@ def test_a_continue_that_skips_a_turn_on_one_rank_is_named_with_its_condition_an
     leftovers.check()
 
 
+def _skips_the_rest_of_one_turn():
+    import math
+
+    import torch
+    import torch.distributed as dist
+
+    for step in range(6):  # line: turn loop
+        dist.broadcast(torch.zeros(2), 0)
+        loss = float("nan") if dist.get_rank() == 1 and step == 2 else 1.0
+        if math.isnan(loss):
+            continue  # line: turn skip
+        dist.all_reduce(torch.tensor([loss]))  # line: turn call
+
+
+def test_a_rank_that_skipped_the_rest_of_a_turn_is_named_in_its_next_turn_with_the_continue(leftovers):
+    # rank 1 is at the loop's first call again (its broadcast) while rank 0 waits in the all_reduce
+    # further down: one rank on each side, and the one that came round is the one that skipped
+    found = _hung_run(_skips_the_rest_of_one_turn)
+    assert (found.kind, found.ranks) == ("collective-mismatch", [1]), found.text()
+    said = (f"Rank 1 has {wording.LATER_TURN} {HERE}:{_line('turn loop')} without the all_reduce at "
+            f"{HERE}:{_line('turn call')} that rank 0 waits in. In that loop, the continue at "
+            f"{HERE}:{_line('turn skip')} (if math.isnan(loss)) skips the rest of its turn")
+    assert said in found.summary, found.summary
+    assert found.fix.startswith(wording.LOOP_EXIT_CURE), found.fix
+    assert wording.UNEVEN_LOOP_CURE not in found.fix  # no loop ran out here
+    leftovers.check()
+
+
+def test_the_few_ranks_that_went_round_a_loop_past_a_guarded_call_are_the_culprits(tmp_path):
+    # the other side's call sits under a rank condition that most ranks pass: the few that skipped it
+    # are the odd ones (4 ranks: 3 wait in the barrier); in a tie the branch on the rank is, as for
+    # the catalog's in-order logging under 'if accelerator.is_main_process:
+    from helpers.doctor.diagnosis import _odd_ones_out
+    from helpers.doctor.records import Op
+
+    script = tmp_path / "train.py"
+    script.write_text("for step in range(9):\n"
+                      "    all_reduce(t)\n"
+                      "    if not (rank == 1 and step == 5):\n"
+                      "        barrier()\n")
+    def op(name: str, line: int) -> Op:
+        return Op(op=name, seq=12, pg="0", file=str(script), line=line, where=f"train.py:{line}")
+
+    for world in (2, 4):
+        present = {rank: op("barrier", 4) if rank != 1 else op("all_reduce", 2) for rank in range(world)}
+        groups: dict = {}
+        for rank, each in present.items():
+            groups.setdefault(each.signature(), []).append(rank)
+        assert _odd_ones_out(groups, present, {}, ("0", 12), {}) == ([1] if world == 4 else [0])
+        text = wording.divergence_summary("collective-mismatch", ("0", 12), present, [1], {})
+        assert (f"Rank 1 has {wording.LATER_TURN} train.py:1 without the barrier at train.py:4 that "
+                f"{'rank 0 waits' if world == 2 else 'the others wait'} in. That call is under "
+                "'if not (rank == 1 and step == 5):' at train.py:3.") in text, text
+    # a call of the rank's own under a condition in the same turn is not a later turn
+    script = tmp_path / "extra.py"  # (a file's parse is cached by its name)
+    script.write_text("for step in range(9):\n"
+                      "    if rank == 0:\n"
+                      "        all_reduce(t)\n"
+                      "    barrier()\n")
+    present = {0: op("all_reduce", 3), 1: op("barrier", 4)}
+    assert wording.turn_skipped(present, {}) is None
+
+
 def _sharded_model_evaluated_on_rank_zero_alone():
     import torch
     import torch.distributed as dist

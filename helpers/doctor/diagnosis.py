@@ -791,7 +791,10 @@ def _goes_first(present: dict[int, Op]) -> tuple[list[int], str] | None:
 def _loop_cures(summary: str) -> list[str]:
     """The cures for a loop that ran out first on some ranks: deciding its skips and exits together
     first when the summary names one likely to differ between ranks (``wording.loop_exits_text``),
-    second when it names one only hedged."""
+    second when it names one only hedged. For a turn some ranks skipped part of, that alone when a
+    continue did it (the kind's own fix otherwise: a condition around the call)."""
+    if wording.LATER_TURN in summary:  # a turn's skip on some ranks, not a loop that ran out
+        return [wording.LOOP_EXIT_CURE] if wording.LOOP_EXITS in summary else []
     if wording.LOOP_EXITS not in summary:
         return [wording.UNEVEN_LOOP_CURE]
     if wording.EXIT_HEDGE in summary:  # an exit alike on every rank, most likely: the data came first
@@ -829,14 +832,15 @@ def _divergence_kind(divergence, positions, histories, views):
                                      or _python_and_cpp_calls(present, key, positions, views)):
         kind = "collective-mismatch"
         summary = wording.divergence_summary(kind, key, present, culprits, positions)
-        if wording.LOOP_RAN_OUT in summary:
+        if wording.LOOP_RAN_OUT in summary or wording.LATER_TURN in summary:
             return kind, culprits, summary, *_loop_cures(summary)
         summary = wording.different_lines_summary(key, present, culprits, positions)
         if wording.DECIDES_ITSELF in summary:
             return kind, culprits, summary, wording.CONDITION_CURE
         return kind, culprits, summary
     summary = wording.divergence_summary(kind, key, present, culprits, positions)
-    if kind == "collective-mismatch" and wording.LOOP_RAN_OUT in summary:  # a loop ran out first
+    if kind == "collective-mismatch" and (wording.LOOP_RAN_OUT in summary  # a loop ran out first
+                                          or wording.LATER_TURN in summary):  # or a turn was skipped
         return kind, culprits, summary, *_loop_cures(summary)
     if kind == "collective-mismatch" and wording.DECIDES_ITSELF in summary:
         return kind, culprits, summary, wording.CONDITION_CURE
@@ -1010,8 +1014,10 @@ def _odd_ones_out(groups: dict[tuple, list[int]], present: dict[int, Op], histor
                   positions: dict[int, Position] | None = None) -> list[int]:
     """Which ranks diverged: those whose list differs from the source rank's in an object-list
     broadcast (the source's objects are the ones sent), then rank-conditional code (around the
-    call's line, or, for the collective a rank is in now, around a caller's), then a strict
-    majority, then history."""
+    call's line, or, for the collective a rank is in now, around a caller's; but not when they are
+    the many and the others went on to a later turn of a loop past their call,
+    ``wording.turn_skipped``: the few skipped the call, as 'if not (rank == 1 and bad):' does),
+    then a strict majority (in a tie, the ranks that went on), then history."""
     everyone = sorted(present)
     root = _common_root(present)
     if root in present and all(wording.is_object_list(op) for op in present.values()):
@@ -1019,9 +1025,11 @@ def _odd_ones_out(groups: dict[tuple, list[int]], present: dict[int, Op], histor
     now = {rank: pos for rank, pos in (positions or {}).items()  # in it now, at its call's line (not
            if pos.seq == key[1] and pos.op is not None and pos.op.pg == key[0]  # raised from another)
            and rank in present and present[rank].where in (None, pos.where)}
+    skipped = wording.turn_skipped(present, positions or {})
     conditional = [r for r in everyone if rank_conditional(present[r].file, present[r].line)
                    or (r in now and rank_branch(now[r]) is not None)]
-    if conditional and len(conditional) < len(everyone):
+    skipped_by_few = skipped is not None and len(conditional) * 2 > len(everyone)
+    if conditional and len(conditional) < len(everyone) and not skipped_by_few:
         return conditional
     deciding = [r for r in everyone if wording.decided_per_rank(present[r].file, present[r].line)]
     if deciding and len(deciding) < len(everyone):  # 'if time.time() - last > 30:', 'if loss < best:'
@@ -1029,6 +1037,8 @@ def _odd_ones_out(groups: dict[tuple, list[int]], present: dict[int, Op], histor
     largest = max(groups.values(), key=len)
     if len(largest) * 2 > len(everyone):
         return [r for r in everyone if r not in largest]
+    if skipped is not None and len(skipped[0]) * 2 == len(everyone):  # a tie: the ranks that skipped
+        return skipped[0]
     novel = [r for r in everyone if not _seen_elsewhere(r, present[r], histories, key)]
     if novel and len(novel) < len(everyone):
         return novel

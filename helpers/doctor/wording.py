@@ -132,6 +132,7 @@ CROSSED_P2P_CURE = (
 
 LOOP_RAN_OUT = "ran out first"  # in a summary: some ranks left a loop the others are still in
 LOOP_EXITS = "In that loop, "  # in a summary: the continue, break or return that can end a turn early
+LATER_TURN = "gone on to a later turn of the loop at"  # in a summary: ranks skipped the others' call
 EXIT_HEDGE = "if its condition can differ between ranks"  # in it: no exit is likely to differ
 LOOP_EXIT_CURE = (
     "Decide each skip and early exit of the loop on every rank together: reduce its condition across "
@@ -600,7 +601,50 @@ def _different_path(present: dict[int, Op], culprits: list[int], positions: dict
         inside = f" ({'; '.join(said)})" if said else ""
     if not inside:  # one condition on a per-rank value around the culprits' calls
         inside = _deciding_text(culprits, present, "(")
+    if not inside:  # one side went round its loop without the other side's call
+        inside = _next_turn(present, positions)
+        if inside:
+            return inside
     return f" {ranks_text(culprits)} took a different path from {_others_text(others)}{inside}."
+
+
+def turn_skipped(present: dict[int, Op], positions: dict[int, Position]
+                 ) -> tuple[list[int], list[int], str, int, int] | None:
+    """(the early ranks, the late ranks, the file, the loop's header line, the late call's line) when
+    the ranks' calls are at two lines of one loop and the earlier line's call is unconditional in
+    it: the early side came round to the top of the loop again, past the call the late side waits
+    in (skipped by a continue, or by a condition around that call); None otherwise."""
+    sites = {rank: _site(op, positions.get(rank)) for rank, op in present.items()}
+    lines = set(sites.values())
+    if None in lines or len(lines) != 2:
+        return None
+    (file, first), (late_file, call_line) = sorted(lines)  # type: ignore[type-var] - no None left
+    header = enclosing_loop(file, call_line)
+    if file != late_file or header is None or enclosing_loop(file, first) != header:
+        return None
+    guard = enclosing_condition(file, first)
+    if guard is not None and guard[0] > header:  # a call of its own in this turn, not the next turn's
+        return None
+    early = sorted(rank for rank, site in sites.items() if site == (file, first))
+    return early, sorted(rank for rank in sites if rank not in early), file, header, call_line
+
+
+def _next_turn(present: dict[int, Op], positions: dict[int, Position]) -> str:
+    """' Rank 3 has gone on to a later turn of the loop at train.py:5 without the barrier at
+    train.py:9 that the others wait in. In that loop, the continue at train.py:8 (if ...) skips ...'
+    (``turn_skipped``; '' otherwise)."""
+    skipped = turn_skipped(present, positions)
+    if skipped is None:
+        return ""
+    early, late, file, header, call_line = skipped
+    name, several = Path(file).name, len(early) > 1
+    text = (f" {ranks_text(early)} {'have' if several else 'has'} {LATER_TURN} {name}:{header} without "
+            f"the {_op_name(present[late[0]])} at {name}:{call_line} that "
+            f"{_others_text(late)} {'waits' if len(late) == 1 else 'wait'} in.")
+    guard = enclosing_condition(file, call_line)
+    if guard is not None and guard[0] > header:
+        text += f" That call is under {_branch_words(guard, file)}."
+    return text + loop_exits_text(file, header, call_line, only="continue")
 
 
 def _calls_of(ranks: list[int]) -> str:
@@ -632,12 +676,12 @@ def _left_loop(sites: dict[int, tuple[str, int] | None], leavers: list[int], sta
             f"does).{loop_exits_text(file, header, line)}")
 
 
-def loop_exits_text(file: str, header: int, call_line: int) -> str:
+def loop_exits_text(file: str, header: int, call_line: int, only: str | None = None) -> str:
     """' In that loop, the continue at train.py:13 (if torch.isnan(loss)) skips the rest of its
     turn: it can end a turn on some ranks alone, ...' for the statements that can end a turn of the
     loop before the call at ``call_line`` (``source.loop_exits``), hedged (``EXIT_HEDGE``) when none
-    is ``_telling``; '' when there are none."""
-    exits = loop_exits(file, header, call_line)
+    is ``_telling``; '' when there are none. ``only``: that keyword's exits alone ("continue")."""
+    exits = [exit_ for exit_ in loop_exits(file, header, call_line) if only in (None, exit_[0])]
     if not exits:
         return ""
     name = Path(file).name
