@@ -203,6 +203,9 @@ def test_ranks_that_each_ran_alone_are_told_so_once_per_node(tmp_path, leftovers
             assert len(notes) == 1, outcome.outputs[node][-3000:]
             assert notes[0].startswith(f"doctor: note: rank {first_rank} of 4 ran the script alone ({why}): ")
         assert "Accelerator(cpu=True)" in notes[0]
+        data = _json(outcome)  # the JSON, for a report or CI that reads no log, says it too
+        leaders = wording.RAN_ALONE.format(rank=0, world=4, why=why)
+        assert data["verdict"] == "ok" and leaders in data["notes"], data
     leftovers.check()
 
 

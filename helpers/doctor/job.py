@@ -526,9 +526,15 @@ class Watchdog(threading.Thread):
 
     def ran_alone(self) -> str | None:
         """Why this rank, the first on its node, ran the script on its own in a world of several
-        (accelerate's state of one process, or no process group ever joined); None if it did not,
-        and for the node's other ranks."""
-        if self.job.world < 2 or os.environ.get("LOCAL_RANK", "0") != "0":
+        (``alone_reason``); None if it did not, and for the node's other ranks."""
+        if os.environ.get("LOCAL_RANK", "0") != "0":
+            return None
+        return self.alone_reason()
+
+    def alone_reason(self) -> str | None:
+        """Why this rank ran the script on its own in a world of several (accelerate's state of one
+        process, or no process group ever joined); None if it did not."""
+        if self.job.world < 2:
             return None
         # its records as the watchdog read them: a collective, on a group made with the traced name
         # or without it (a device mesh's)
@@ -672,8 +678,12 @@ class Watchdog(threading.Thread):
     def _publish(self, diagnosis: Diagnosis) -> None:
         """Tell every rank (the first verdict posted wins), print, write the JSON; then stop the job
         (``--on-hang stop``)."""
-        data = diagnosis.to_dict()
         finished = diagnosis.evidence.reason == "finished"  # each leaves with its own code (or 5)
+        alone = self.alone_reason() if finished and diagnosis.verdict == "ok" else None
+        if alone:  # the leader's own case stands for the job's: the ranks run one script, one config
+            job = self.job
+            diagnosis.notes.append(wording.RAN_ALONE.format(rank=job.rank, world=job.world, why=alone))
+        data = diagnosis.to_dict()
         stop = None
         if self.options.on_hang == "stop" and not finished:
             ticking = {rank for rank, seen in self.board.seen.items() if seen.fresh()} | {self.job.rank}
