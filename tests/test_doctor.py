@@ -8,6 +8,7 @@ from __future__ import annotations
 import io
 import json
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -1269,7 +1270,7 @@ def _ranks_waiting_for_other_things():
         for _batch in DataLoader(_SlowDataset(), batch_size=1, num_workers=2):  # line: loader
             pass
     elif rank == 2:
-        subprocess.run(["sleep", "60"])  # line: child
+        subprocess.run(["sh", "-c", "sleep 60", "job", "--token=abcdef123456"])  # line: child
     elif rank == 3:
         lock = threading.Lock()
         lock.acquire()
@@ -1329,11 +1330,15 @@ def test_a_rank_waiting_outside_torch_is_said_to_wait_for_what_it_waits_for(left
             in found.summary), found.summary  # py-spy read the worker that is busy, not the idle one
     assert f" is sleeping at {HERE}:{_line('worker')} in __getitem__); " in found.summary, found.summary
     assert found.summary.count("worker pid ") == 1, found.summary
-    assert (f"; rank 2 is waiting for a child process at {HERE}:{_line('child')}; "
-            f"rank 3 is waiting to acquire a lock at {HERE}:{_line('lock')}; "
+    # the command it waits for is named, its secrets redacted
+    child = rf"; rank 2 is waiting for a child process at {HERE}:{_line('child')} "
+    assert re.search(child + r"\(sh -c 'sleep 60' job --token=<redacted>, pid \d+\); ", found.summary), \
+        found.summary
+    assert (f"rank 3 is waiting to acquire a lock at {HERE}:{_line('lock')}; "
             f"rank 4 is waiting on the network (a socket) at {HERE}:{_line('socket')}.") in found.summary, \
         found.summary
     assert found.fix.startswith(wording.DATALOADER_CURE)
+    assert "subprocess.run(..., timeout=S)" in found.fix, found.fix  # the child's cure follows
     leftovers.check()
 
 

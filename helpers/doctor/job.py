@@ -503,7 +503,7 @@ class Watchdog(threading.Thread):
                      pid=os.getpid(), born=self.born)
         if request != "final":  # where its DataLoader's workers are, when it waits for them
             mine = {self.job.rank: (os.getpid(), state["stack"])}
-            state["workers"] = pyspy.dataloader_workers(mine).get(self.job.rank, [])
+            state["workers"] = pyspy.children_waited_for(mine).get(self.job.rank, [])
         return state
 
     # -- how this rank ends -----------------------------------------------------------------

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import json
 import os
+import shlex
 import shutil
 import socket
 import subprocess
@@ -31,11 +32,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from helpers import report
+from helpers import redact, report
 from helpers.collectives import INIT_OP, OPS
 from helpers.doctor.diagnosis import Diagnosis, diagnose
 from helpers.doctor.records import Op, RankView
-from helpers.doctor.wording import DATALOADER_FILE, issued_by, runs_in
+from helpers.doctor.wording import CHILD_FILE, DATALOADER_FILE, issued_by, runs_in
 from helpers.sites import is_user_code
 
 PY_SPY_TIMEOUT_S = 20.0
@@ -261,26 +262,53 @@ def read_stacks(pids: dict[int, int], timeout_s: float = PY_SPY_TIMEOUT_S) -> di
     return {key: frames for key, frames in found.items() if frames is not None}
 
 
-def dataloader_workers(ranks: dict[Any, tuple[int, list[dict[str, Any]]]],
-                       timeout_s: float = WORKERS_S) -> dict[Any, list[dict[str, Any]]]:
-    """The stacks of each waiting rank's child processes, read with py-spy in parallel, for the
-    ranks (``{rank: (pid, main-thread stack)}``) that wait for a batch from a DataLoader: ``{rank:
-    [{"pid": ..., "frames": [...]}, ...]}`` by pid, for ``wording.activity`` to say where a worker
-    is stuck. Ranks that wait for no DataLoader are left out, and so is what py-spy cannot read
-    (it needs ptrace rights: a parent may read its own children)."""
+def children_waited_for(ranks: dict[Any, tuple[int, list[dict[str, Any]]]],
+                        timeout_s: float = WORKERS_S) -> dict[Any, list[dict[str, Any]]]:
+    """What each waiting rank (``{rank: (pid, main-thread stack)}``) waits for in its child
+    processes: for a rank that waits for a batch from a DataLoader, its workers' stacks, read with
+    py-spy in parallel (``{"pid": ..., "frames": [...]}``, for ``wording.activity`` to say where a
+    worker is stuck; py-spy needs ptrace rights, and a parent may read its own children); for a rank
+    in ``subprocess``, its children's commands (``{"pid": ..., "cmd": ...}``, secrets redacted, cut
+    at ``COMMAND_CHARS``). Ranks that wait for neither are left out, and so is what cannot be read."""
     import psutil
 
-    children: dict[int, Any] = {}  # child pid -> its rank
-    for rank, (pid, stack) in ranks.items():
-        if any(runs_in(frame, DATALOADER_FILE) for frame in stack):
-            try:
-                children.update({child.pid: rank for child in psutil.Process(pid).children()})
-            except psutil.Error:
-                continue
+    children: dict[int, Any] = {}  # a DataLoader worker's pid -> its rank
     found: dict[Any, list[dict[str, Any]]] = {}
+    for rank, (pid, stack) in ranks.items():
+        loader = any(runs_in(frame, DATALOADER_FILE) for frame in stack)
+        if not loader and not any(runs_in(frame, CHILD_FILE) for frame in stack):
+            continue
+        try:
+            parent = psutil.Process(pid)
+            kids = parent.children()
+        except psutil.Error:
+            continue
+        if loader:
+            children.update({child.pid: rank for child in kids})
+        else:
+            found[rank] = [entry for child in kids if (entry := _command_of(child, parent)) is not None]
     for child, frames in sorted(read_stacks({pid: pid for pid in children}, timeout_s).items()):
         found.setdefault(children[child], []).append({"pid": child, "frames": frames})
     return found
+
+
+COMMAND_CHARS = 80  # a child's command as the diagnosis says it
+
+
+def _command_of(child: Any, parent: Any) -> dict[str, Any] | None:
+    """A child process as ``{"pid", "cmd"}``: its command line quoted as a shell would, secrets
+    redacted, cut; None when it is gone, cannot be read, or is a fork of ``parent`` (its command
+    line: a DataLoader's worker kept alive, not the command the rank waits for)."""
+    import psutil
+
+    try:
+        words = child.cmdline()
+        if not words or words == parent.cmdline():
+            return None
+    except psutil.Error:
+        return None
+    text = redact.redact_text(shlex.join([Path(words[0]).name, *words[1:]]))
+    return {"pid": child.pid, "cmd": text if len(text) <= COMMAND_CHARS else text[:COMMAND_CHARS - 1] + "…"}
 
 
 def faulthandler_text(frames: list[dict[str, Any]]) -> str:
@@ -359,7 +387,7 @@ def _cpp_collective(issuer: str) -> str:
 def diagnose_stacks(stacks: dict[int, list[dict[str, Any]]], world_size: int, native: bool,
                     workers: dict[int, list[dict[str, Any]]] | None = None) -> Diagnosis:
     """The doctor's diagnosis from stacks alone; ranks without a stack are unseen (other nodes).
-    ``workers``: the DataLoader workers' stacks of the ranks that wait for one (``dataloader_workers``)."""
+    ``workers``: what the ranks that wait for child processes wait for (``children_waited_for``)."""
     now = time.time()
     views = {rank: view_from_stack(rank, frames, now) for rank, frames in stacks.items()}
     for rank, found in (workers or {}).items():
@@ -394,7 +422,7 @@ def attach(target: str, native: bool = False) -> list[Attached]:
         members, stacks = jobs.setdefault(rank.job, ([], {}))
         members.append(rank)
         stacks[rank.rank] = frames
-    workers = dataloader_workers({(rank.job, rank.rank): (rank.pid, frames)
+    workers = children_waited_for({(rank.job, rank.rank): (rank.pid, frames)
                                   for rank, frames in zip(ranks, dumped, strict=True)})
     seconds = round(time.monotonic() - started, 3)
     host = socket.gethostname()

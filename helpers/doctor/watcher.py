@@ -172,7 +172,7 @@ class Doctor(Watcher):
             view, pid = self.views[rank], run.processes[rank].pid
             if pid:
                 waiting[rank] = (pid, (view.state or {}).get("stack") or faulthandler_stack(view.stack_text))
-        for rank, workers in pyspy.dataloader_workers(waiting).items():
+        for rank, workers in pyspy.children_waited_for(waiting).items():
             self.views[rank].workers = workers
 
     def _mark_silent(self) -> None:

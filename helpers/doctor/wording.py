@@ -58,6 +58,8 @@ _WORKER_LOOP_FILE = "/torch/utils/data/_utils/worker.py"
 DATALOADER_WAIT = "waiting for a batch from its DataLoader's worker processes"
 FILE_LOCK_WAIT = "waiting for a file lock"  # a dataset or model cache's, most often (on shared storage)
 STDIN_WAIT = "waiting for input on stdin"  # a rank's line calls input()
+CHILD_FILE = "/subprocess.py"  # a rank that waits in it waits for a child process it started
+CHILD_WAIT = "waiting for a child process"
 NETWORK_WAIT = "waiting on the network"
 
 DATALOADER_CURE = (
@@ -97,6 +99,14 @@ KNOWN_ERRORS = [
      "rank: a command-line argument or an environment variable; a library that prompts for a login "
      "reads its key from the environment (HF_TOKEN for the Hugging Face Hub, WANDB_API_KEY for "
      "Weights & Biases)."),
+    (re.compile(re.escape(CHILD_WAIT)),
+     "The rank waits for a command it started, while the others wait in their next collective. Give "
+     "the call a deadline: subprocess.run(..., timeout=S) kills the command and raises "
+     "TimeoutExpired, an error the doctor names. Then see why the command does not end: a prompt "
+     "nobody answers (ssh and git over ssh: -o BatchMode=yes; git over https: GIT_TERMINAL_PROMPT=0 "
+     "makes it fail instead of asking), a slow network copy, or a lock. A command every rank needs "
+     "runs best once before the launch, or on the main process inside with "
+     "accelerator.main_process_first()."),
     (re.compile(r"CUDA out of memory|OutOfMemoryError"),
      f"CUDA ran out of memory on that rank: {NB_MEMORY} finds the largest batch that fits; "
      "PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True helps when the error says much memory is "
@@ -326,12 +336,17 @@ def activity(rank: int, frame: dict[str, Any], stack: list[dict[str, Any]], sile
     """What a rank outside any collective is doing: 'in a loop at train.py:41', 'sleeping at ...',
     'waiting for a child process at ...' (``waiting_for``); ``silent``: its Python could not answer,
     so the call at its line holds the GIL in native code; ``workers``: its DataLoader workers'
-    stacks (``pyspy.dataloader_workers``), where a busy one is (``workers_text``)."""
+    stacks, where a busy one is (``workers_text``), or the commands of the child processes it waits
+    for ('waiting for a child process at train.py:9 (git lfs pull, pid 4242)'):
+    ``pyspy.children_waited_for``."""
     if silent:
         return f"in native code holding the GIL at {frame['where']}"
     waits = waiting_for(frame, stack)
     if waits is not None:
         busy = workers_text(workers or []) if waits == DATALOADER_WAIT else ""
+        if waits == CHILD_WAIT:
+            busy = "; ".join(f"{child['cmd']}, pid {child['pid']}" for child in workers or []
+                             if child.get("cmd"))
         return f"{waits} at {frame['where']}" + (f" ({busy})" if busy else "")
     innermost = stack[-1] if stack else frame
     sleeping = innermost.get("func") == "sleep" or "time.sleep" in source_line(frame)
@@ -361,7 +376,7 @@ def library_below(frame: dict[str, Any], stack: list[dict[str, Any]]) -> str | N
 _WAITS = (
     (DATALOADER_FILE, None, DATALOADER_WAIT),
     ("/filelock/", None, FILE_LOCK_WAIT + " (filelock: held by another process or another open of the file)"),
-    ("/subprocess.py", None, "waiting for a child process"),
+    (CHILD_FILE, None, CHILD_WAIT),
     ("/concurrent/futures/", None, "waiting for a future's result"),
     ("/multiprocessing/pool.py", None, "waiting for a multiprocessing pool"),
     ("/queue.py", None, "waiting on a queue"),  # a queue waits on a threading Condition
