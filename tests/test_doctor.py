@@ -899,6 +899,25 @@ def test_the_few_ranks_that_went_round_a_loop_past_a_guarded_call_are_the_culpri
     assert wording.turn_skipped(present, {}) is None
 
 
+def _scatters_a_list_one_short():
+    import torch
+    import torch.distributed as dist
+
+    chunks = [torch.zeros(2) for _ in range(dist.get_world_size() - 1)]  # one tensor short
+    chunks = chunks if dist.get_rank() == 0 else None
+    dist.scatter(torch.empty(2), scatter_list=chunks, src=0)  # line: scatter
+
+
+def test_a_list_of_the_wrong_length_is_named_on_the_rank_that_passed_it_not_on_its_echoes(leftovers):
+    # gloo rejects rank 0's list ('Incorrect input list size 1'): an error about its own arguments,
+    # although gloo names itself in it; the others' 'Connection closed by peer' is its echo
+    found = _failed_run(_scatters_a_list_one_short)
+    assert (found.kind, found.ranks) == ("rank-exited", [0]), found.text()
+    assert f"Incorrect input list size 1. at {HERE}:{_line('scatter')}" in found.summary, found.summary
+    assert found.fix.startswith("A collective's list of tensors has one tensor per rank"), found.fix
+    leftovers.check()
+
+
 def _sharded_model_evaluated_on_rank_zero_alone():
     import torch
     import torch.distributed as dist

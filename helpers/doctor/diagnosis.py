@@ -480,9 +480,11 @@ def _init_echo(error: str) -> bool:
 
 
 # ...unless it says the rank's own arguments were wrong ('ProcessGroupGloo::allgather: invalid output
-# tensor list at index 0 (expected length 2, got 3)'): the backend names itself in those too
+# tensor list at index 0 (expected length 2, got 3)', 'ProcessGroupGloo::scatter: Incorrect input list
+# size 3. Input list size should be 4', 'requires a single-element input list'): the backend names
+# itself in those too
 _ARGUMENT_ERROR = re.compile(r"invalid|expected|must (be|have|match)|does ?n[o']?t match|mismatch|"
-                             r"unsupported|not supported", re.IGNORECASE)
+                             r"unsupported|not supported|incorrect|requires a single", re.IGNORECASE)
 
 
 # Python's own socket and pipe errors are never the process group's (torch raises its own types):

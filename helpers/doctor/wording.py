@@ -99,6 +99,12 @@ KNOWN_ERRORS = [
      "rank: a command-line argument or an environment variable; a library that prompts for a login "
      "reads its key from the environment (HF_TOKEN for the Hugging Face Hub, WANDB_API_KEY for "
      "Weights & Biases)."),
+    (re.compile(r"Incorrect (input|output) list size|invalid (input|output) tensor list|"
+                r"requires a single-element (input|output) list"),
+     "A collective's list of tensors has one tensor per rank of its group: scatter's scatter_list on "
+     "its source rank (None on the others), gather's gather_list on its destination, all_gather's "
+     "tensor_list on every rank; its length is dist.get_world_size(group), which gloo checks on the "
+     "rank that passed the list (the others then wait for it)."),
     (re.compile(re.escape(CHILD_WAIT)),
      "The rank waits for a command it started, while the others wait in their next collective. Give "
      "the call a deadline: subprocess.run(..., timeout=S) kills the command and raises "
