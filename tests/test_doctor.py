@@ -1691,6 +1691,26 @@ def test_a_child_that_ends_while_a_rank_reports_its_error_leaves_the_error_said(
     leftovers.check()
 
 
+def test_ranks_all_waiting_in_init_for_a_larger_world_are_told_the_world_they_asked_for(tmp_path, leftovers):
+    # a world size from a configuration written for more processes than the launch started: every
+    # rank joins, and init_process_group waits for ranks that will never come
+    script = tmp_path / "world.py"
+    script.write_text("import os\n"
+                      "import torch.distributed as dist\n"
+                      "CONFIG = {'world_size': 4}\n"
+                      "rank = int(os.environ['RANK'])\n"
+                      "dist.init_process_group('gloo', world_size=CONFIG['world_size'], rank=rank)\n")
+    done = _doctor_cli("--num-processes", "2", "--stall-s", "1.5", "--json", str(tmp_path / "d.json"), "--",
+                       str(script))
+    data = json.loads((tmp_path / "d.json").read_text())
+    assert (done.returncode, data["kind"], data["ranks"]) == (3, "rank-missing", [0, 1]), done.stderr[-2000:]
+    assert data["summary"].startswith(
+        "All 2 ranks the launch started wait in init_process_group at world.py:5 for a world of 4 processes "
+        "(its world_size argument or WORLD_SIZE, on every rank): ranks 2 to 3 were never started."), data
+    assert data["fix"].startswith(wording.WORLD_CURE)
+    leftovers.check()
+
+
 def test_a_communication_error_is_told_from_a_ranks_own_and_from_pythons_pipes():
     is_comm = diagnosis_module._is_comm_error
     assert is_comm("RuntimeError: [../gloo/transport/tcp/pair.cc:553] Connection closed by peer")

@@ -689,6 +689,9 @@ def _classify(positions: dict[int, Position], histories: dict[int, dict], views:
         if any(positions[rank].detail.startswith(wording.FILE_LOCK_WAIT) for rank in missing):
             cures.insert(0, wording.FILE_LOCK_CURE)
         return ("rank-missing", missing, wording.missing_summary(missing, positions), *cures)
+    unborn = _waiting_for_unborn_ranks(positions)
+    if unborn:
+        return "rank-missing", unborn, wording.unborn_ranks_summary(unborn, positions), wording.WORLD_CURE
     if all(p.state == "finished" for p in positions.values()):
         count = max((len(h) for h in histories.values()), default=0)
         return "ok", [], (f"All {len(positions)} ranks finished; their collectives matched "
@@ -1064,6 +1067,17 @@ def _seen_elsewhere(rank: int, op: Op, histories, key) -> bool:
             if seen.signature() == op.signature() and same_site:
                 return True
     return False
+
+
+def _waiting_for_unborn_ranks(positions: dict[int, Position]) -> list[int]:
+    """When every rank waits in init_process_group (none missing, none ended), the ranks whose call
+    waits for a larger world than the launch's (every rank when none says its world size): they
+    wait for ranks that were never started. [] otherwise."""
+    if not positions or any(p.state != "in-collective" or p.op is None or p.op.op != INIT_OP
+                            for p in positions.values()):
+        return []
+    larger = sorted(rank for rank, p in positions.items() if p.op.world and p.op.world > len(positions))
+    return larger or sorted(positions)
 
 
 def _waiting_in_init(positions: dict[int, Position]) -> bool:

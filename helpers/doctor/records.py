@@ -50,6 +50,7 @@ class Op:
     splits: list | None = None  # all_to_all_single's [output rows, output splits, input splits]
     pg_ranks: list[int] | None = None  # the group's global ranks (a subgroup's; None: the world or unknown)
     pg_desc: str | None = None  # torch's description of a subgroup ('mesh_dp': a DeviceMesh dimension's)
+    world: int | None = None  # init_process_group's: the world size it waits for (argument or WORLD_SIZE)
 
     def signature(self) -> tuple:
         """What must agree across ranks at one sequence number: the op, then shapes and dtypes."""
@@ -128,7 +129,8 @@ class RankView:
                 line=event.get("line"), start=event["t"], p2p=bool(event.get("p2p")),
                 async_=bool(event.get("async")), peer=_rank_or_none(event.get("peer")),
                 root=_rank_or_none(event.get("root")), splits=_splits_or_none(event.get("splits")),
-                pg_ranks=_ranks_or_none(event.get("pg_ranks")), pg_desc=_text_or_none(event.get("pg_desc")))
+                pg_ranks=_ranks_or_none(event.get("pg_ranks")), pg_desc=_text_or_none(event.get("pg_desc")),
+                world=_rank_or_none(event.get("world")))
         if len(self.order) == self.order.maxlen:  # forgotten, open or not (an isend never waited for)
             self.ops.pop(self.order[0], None)
             self.open.pop(self.order[0], None)

@@ -201,6 +201,13 @@ INIT_CURE = (
     "shared filesystem) holds the others there: do it after the group is set up, on the main process "
     "inside accelerator.main_process_first() (the others wait in a barrier for it), or on every rank.")
 
+WORLD_CURE = (
+    "Let init_process_group take the world size and the rank from the launcher: call it without "
+    "world_size and rank (torchrun, accelerate launch, srun with torchrun and the doctor set "
+    "WORLD_SIZE and RANK), or launch as many processes as the script asks for (nodes x processes "
+    "per node). A world size read from a configuration written for another machine is the usual "
+    "cause; ranks given different init_method addresses wait the same way.")
+
 TIMEOUT_CURE = (
     "If the missing rank's work is slow rather than stuck (a checkpoint, a download, a first compile), "
     "give it the time: a longer process-group timeout, set before the group exists (accelerate: "
@@ -981,6 +988,24 @@ def extra_collective_summary(extra: list[int], positions: dict[int, Position]) -
             f"never call{'s' if one else ''} it: {'it' if one else 'they'} finished "
             f"{'its' if one else 'their'} work{f' after collective #{last}' if last else ''}.")
     return " ".join([text, *failures])
+
+
+def unborn_ranks_summary(culprits: list[int], positions: dict[int, Position]) -> str:
+    """Every rank the launch started waits in init_process_group: it waits for ranks that were
+    never started (a world size larger than the launch's, from ``culprits``' calls when they say it)."""
+    count = len(positions)
+    sites = ", ".join(sorted({pos.where for pos in positions.values() if pos.where}))
+    text = f"All {count} ranks the launch started wait in init_process_group"
+    text += f" at {sites}" if sites else ""
+    asked = max((op.world or 0 for rank in culprits if (op := positions[rank].op) is not None), default=0)
+    if asked > count:
+        whose = "on every rank" if len(culprits) == count else f"on {ranks_text(culprits).lower()}"
+        text += (f" for a world of {asked} processes (its world_size argument or WORLD_SIZE, {whose}): "
+                 f"ranks {count} to {asked - 1} were never started.")
+    else:
+        text += ": every rank has joined, so the group waits for ranks that were never started."
+    return text + (" init_process_group returns once world_size ranks have joined at its address (the "
+                   "launcher's WORLD_SIZE, MASTER_ADDR and MASTER_PORT unless the script passes its own).")
 
 
 def missing_summary(missing: list[int], positions: dict[int, Position]) -> str:

@@ -296,7 +296,9 @@ def _wrap_init(original: Callable) -> Callable:
         op_id = next(tracer.ids)
         frame = user_frame(sys._getframe(1))
         site = site_json(frame.f_code, frame.f_lasti) if frame is not None else ""
-        tracer._drain_locked([f'{{"ev":"op","id":{op_id},"op":"{INIT_OP}","pg":"0","seq":0{site},'
+        world = _world_asked(args, kwargs)
+        world_text = f',"world":{world}' if world is not None else ""
+        tracer._drain_locked([f'{{"ev":"op","id":{op_id},"op":"{INIT_OP}","pg":"0","seq":0{site}{world_text},'
                               f'"t":{_SECONDS % time.time()}}}\n'], True)
         try:
             result = original(*args, **kwargs)
@@ -310,6 +312,16 @@ def _wrap_init(original: Callable) -> Callable:
 
     traced_init._helpers_traced = True  # type: ignore[attr-defined]
     return traced_init
+
+
+def _world_asked(args: tuple, kwargs: dict[str, Any]) -> int | None:
+    """The world size ``init_process_group`` waits for: its ``world_size`` argument (the fourth),
+    else the ``WORLD_SIZE`` it reads from the environment; None when neither is a number."""
+    asked = kwargs.get("world_size", args[3] if len(args) > 3 else -1)
+    if isinstance(asked, int) and not isinstance(asked, bool) and asked > 0:
+        return asked
+    text = os.environ.get("WORLD_SIZE", "")
+    return int(text) if text.isdigit() and int(text) > 0 else None
 
 
 def _write_all(fd: int, data: bytes) -> None:
