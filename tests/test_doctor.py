@@ -1738,6 +1738,24 @@ def test_what_a_rank_waits_for_is_read_from_the_library_calls_below_its_line():
     assert wording.waiting_for(mine, [frame(threads, "wait"), mine]) is None  # above its line: not its wait
 
 
+def _creates_a_group_on_rank_zero_alone():
+    import torch.distributed as dist
+
+    if dist.get_rank() == 0:
+        dist.new_group([0, 1])  # line: new group
+    dist.barrier()
+
+
+def test_a_rank_creating_a_group_the_others_skip_is_said_to_be_in_new_group_with_its_rule(leftovers):
+    found = _hung_run(_creates_a_group_on_rank_zero_alone)
+    assert (found.kind, found.ranks) == ("rank-missing", [0]), found.text()
+    said = f"rank 0 is {wording.NEW_GROUP_WAIT} at {HERE}:{_line('new group')}"
+    assert said in found.summary, found.summary
+    assert found.fix.startswith("Create every process group on every rank of the job, in the same order"), \
+        found.fix
+    leftovers.check()
+
+
 def _native_sleep_on_rank_one():
     import ctypes
 

@@ -60,6 +60,7 @@ FILE_LOCK_WAIT = "waiting for a file lock"  # a dataset or model cache's, most o
 STDIN_WAIT = "waiting for input on stdin"  # a rank's line calls input()
 CHILD_FILE = "/subprocess.py"  # a rank that waits in it waits for a child process it started
 CHILD_WAIT = "waiting for a child process"
+NEW_GROUP_WAIT = "creating a process group (new_group)"
 NETWORK_WAIT = "waiting on the network"
 
 DATALOADER_CURE = (
@@ -105,6 +106,13 @@ KNOWN_ERRORS = [
      "its source rank (None on the others), gather's gather_list on its destination, all_gather's "
      "tensor_list on every rank; its length is dist.get_world_size(group), which gloo checks on the "
      "rank that passed the list (the others then wait for it)."),
+    (re.compile(re.escape(NEW_GROUP_WAIT)),
+     "Create every process group on every rank of the job, in the same order, with the same ranks: "
+     "torch's new_group 'requires that all processes in the main group (i.e. all processes that are "
+     "part of the distributed job) enter this function, even if they are not going to be members of "
+     "the group', and 'groups should be created in the same order in all processes' (its docstring). "
+     "Make the groups once, right after init_process_group, outside any branch on the rank, and pick "
+     "the one a rank uses afterwards."),
     (re.compile(re.escape(CHILD_WAIT)),
      "The rank waits for a command it started, while the others wait in their next collective. Give "
      "the call a deadline: subprocess.run(..., timeout=S) kills the command and raises "
@@ -390,6 +398,8 @@ _WAITS = (
     (DATALOADER_FILE, None, DATALOADER_WAIT),
     ("/filelock/", None, FILE_LOCK_WAIT + " (filelock: held by another process or another open of the file)"),
     (CHILD_FILE, None, CHILD_WAIT),
+    ("/torch/distributed/distributed_c10d.py", {"new_group", "new_subgroups", "new_subgroups_by_enumeration",
+                                                "split_group"}, NEW_GROUP_WAIT),
     ("/concurrent/futures/", None, "waiting for a future's result"),
     ("/multiprocessing/pool.py", None, "waiting for a multiprocessing pool"),
     ("/queue.py", None, "waiting on a queue"),  # a queue waits on a threading Condition
