@@ -485,6 +485,26 @@ def test_a_known_error_leads_the_fix_only_for_a_culprit_that_raised_it():
     assert wording.fix("rank-exited", [Position(1, "exited", detail="raised ValueError: bad row.")]) == (
         doctor.FIXES["rank-exited"])
     assert wording.fix("rank-missing", []) == doctor.FIXES["rank-missing"]
+    # NCCL asked for where it cannot run: a CPU build of torch (as here), or a machine without GPUs
+    for error in ("RuntimeError: Distributed package doesn't have NCCL built in",
+                  "ValueError: ProcessGroupNCCL is only supported with GPUs, no GPUs found!"):
+        fix = wording.fix("rank-exited", [Position(0, "exited", detail=f"raised {error}")])
+        assert fix.startswith("The NCCL backend runs on CUDA GPUs only") and "gloo" in fix, fix
+
+
+def test_nccl_asked_for_on_a_cpu_build_of_torch_raises_what_the_cure_matches(tmp_path):
+    # the first of those sentences is this machine's torch's own (a CPU build, without NCCL)
+    import torch.distributed as dist
+
+    if dist.is_nccl_available():
+        pytest.skip("this torch has NCCL built in")
+    script = tmp_path / "nccl.py"
+    script.write_text("import torch.distributed as dist\ndist.init_process_group('nccl')\n")
+    done = _doctor_cli("--num-processes", "2", "--stall-s", "2", "--json", str(tmp_path / "d.json"), "--",
+                       str(script))
+    data = json.loads((tmp_path / "d.json").read_text())
+    assert (done.returncode, data["kind"], data["ranks"]) == (4, "rank-exited", [0, 1]), done.stderr[-2000:]
+    assert data["fix"].startswith("The NCCL backend runs on CUDA GPUs only"), data["fix"]
 
 
 def test_a_flight_recorder_entry_belongs_to_the_call_whose_times_hold_it_not_the_next_one():

@@ -106,6 +106,12 @@ KNOWN_ERRORS = [
      "its source rank (None on the others), gather's gather_list on its destination, all_gather's "
      "tensor_list on every rank; its length is dist.get_world_size(group), which gloo checks on the "
      "rank that passed the list (the others then wait for it)."),
+    (re.compile(r"doesn't have NCCL built in|ProcessGroupNCCL is only supported with GPUs"),
+     "The NCCL backend runs on CUDA GPUs only, with a CUDA build of torch: this machine lacks one of "
+     "them (the error says which). Without GPUs, use gloo: init_process_group('gloo'), or init_process_group() "
+     "with no backend, which takes gloo for CPU tensors (and NCCL for CUDA ones where it exists); "
+     "under accelerate, Accelerator(cpu=True). On a cluster, a login node has no GPUs: run the job "
+     "on the compute nodes (srun)."),
     (re.compile(re.escape(NEW_GROUP_WAIT)),
      "Create every process group on every rank of the job, in the same order, with the same ranks: "
      "torch's new_group 'requires that all processes in the main group (i.e. all processes that are "
