@@ -1321,6 +1321,32 @@ def _ranks_waiting_for_other_things():
     dist.all_reduce(torch.ones(2))  # line: waited
 
 
+def _stuck_item(item):
+    time.sleep(60 if item == 2 else 0)  # line: pool item
+    return item
+
+
+def _waits_for_a_pool_whose_worker_is_stuck():
+    import multiprocessing
+
+    import torch
+    import torch.distributed as dist
+
+    if dist.get_rank() == 1:
+        with multiprocessing.get_context("fork").Pool(2) as pool:
+            pool.map(_stuck_item, range(3))  # line: pool map
+    dist.all_reduce(torch.ones(2))
+
+
+def test_a_rank_waiting_for_a_pool_names_the_line_its_busy_worker_is_at(leftovers):
+    found = _hung_run(_waits_for_a_pool_whose_worker_is_stuck)
+    assert (found.kind, found.ranks) == ("rank-missing", [1]), found.text()
+    assert re.search(rf"rank 1 is waiting for a multiprocessing pool at {HERE}:{_line('pool map')} "
+                     rf"\(worker pid \d+ is sleeping at {HERE}:{_line('pool item')} in _stuck_item\)",
+                     found.summary), found.summary
+    leftovers.check()
+
+
 def _two_threads_issue_in_turns_that_differ():
     import threading
 

@@ -36,7 +36,7 @@ from helpers import redact, report
 from helpers.collectives import INIT_OP, OPS
 from helpers.doctor.diagnosis import Diagnosis, diagnose
 from helpers.doctor.records import Op, RankView
-from helpers.doctor.wording import CHILD_FILE, DATALOADER_FILE, issued_by, runs_in
+from helpers.doctor.wording import CHILD_FILE, DATALOADER_FILE, POOL_FILES, issued_by, runs_in
 from helpers.sites import is_user_code
 
 PY_SPY_TIMEOUT_S = 20.0
@@ -265,7 +265,8 @@ def read_stacks(pids: dict[int, int], timeout_s: float = PY_SPY_TIMEOUT_S) -> di
 def children_waited_for(ranks: dict[Any, tuple[int, list[dict[str, Any]]]],
                         timeout_s: float = WORKERS_S) -> dict[Any, list[dict[str, Any]]]:
     """What each waiting rank (``{rank: (pid, main-thread stack)}``) waits for in its child
-    processes: for a rank that waits for a batch from a DataLoader, its workers' stacks, read with
+    processes: for a rank that waits for a batch from a DataLoader (or for a multiprocessing Pool, a
+    ProcessPoolExecutor's future), its workers' stacks, read with
     py-spy in parallel (``{"pid": ..., "frames": [...]}``, for ``wording.activity`` to say where a
     worker is stuck; py-spy needs ptrace rights, and a parent may read its own children); for a rank
     in ``subprocess``, its children's commands (``{"pid": ..., "cmd": ...}``, secrets redacted, cut
@@ -275,7 +276,7 @@ def children_waited_for(ranks: dict[Any, tuple[int, list[dict[str, Any]]]],
     children: dict[int, Any] = {}  # a DataLoader worker's pid -> its rank
     found: dict[Any, list[dict[str, Any]]] = {}
     for rank, (pid, stack) in ranks.items():
-        loader = any(runs_in(frame, DATALOADER_FILE) for frame in stack)
+        loader = any(runs_in(frame, file) for frame in stack for file in (DATALOADER_FILE, *POOL_FILES))
         if not loader and not any(runs_in(frame, CHILD_FILE) for frame in stack):
             continue
         try:

@@ -54,7 +54,13 @@ FIXES = {
 }
 
 
-_WORKER_LOOP_FILE = "/torch/utils/data/_utils/worker.py"
+# the loop a worker process runs the user's code from: a DataLoader's, a multiprocessing Pool's, a
+# ProcessPoolExecutor's
+_WORKER_LOOP_FILES = ("/torch/utils/data/_utils/worker.py", "/multiprocessing/pool.py",
+                      "/concurrent/futures/process.py")
+POOL_FILES = ("/multiprocessing/pool.py", "/concurrent/futures/")  # a rank waiting there waits for workers
+POOL_WAIT = "waiting for a multiprocessing pool"
+FUTURE_WAIT = "waiting for a future's result"
 DATALOADER_WAIT = "waiting for a batch from its DataLoader's worker processes"
 FILE_LOCK_WAIT = "waiting for a file lock"  # a dataset or model cache's, most often (on shared storage)
 STDIN_WAIT = "waiting for input on stdin"  # a rank's line calls input()
@@ -108,8 +114,9 @@ KNOWN_ERRORS = [
      "rank that passed the list (the others then wait for it)."),
     (re.compile(r"doesn't have NCCL built in|ProcessGroupNCCL is only supported with GPUs"),
      "The NCCL backend runs on CUDA GPUs only, with a CUDA build of torch: this machine lacks one of "
-     "them (the error says which). Without GPUs, use gloo: init_process_group('gloo'), or init_process_group() "
-     "with no backend, which takes gloo for CPU tensors (and NCCL for CUDA ones where it exists); "
+     "them (the error says which). Without GPUs, use gloo: init_process_group('gloo'), or "
+     "init_process_group() with no backend, which takes gloo for CPU tensors (and NCCL for CUDA ones "
+     "where it exists); "
      "under accelerate, Accelerator(cpu=True). On a cluster, a login node has no GPUs: run the job "
      "on the compute nodes (srun)."),
     (re.compile(re.escape(NEW_GROUP_WAIT)),
@@ -370,7 +377,7 @@ def activity(rank: int, frame: dict[str, Any], stack: list[dict[str, Any]], sile
         return f"in native code holding the GIL at {frame['where']}"
     waits = waiting_for(frame, stack)
     if waits is not None:
-        busy = workers_text(workers or []) if waits == DATALOADER_WAIT else ""
+        busy = workers_text(workers or []) if waits in (DATALOADER_WAIT, POOL_WAIT, FUTURE_WAIT) else ""
         if waits == CHILD_WAIT:
             busy = "; ".join(f"{child['cmd']}, pid {child['pid']}" for child in workers or []
                              if child.get("cmd"))
@@ -406,8 +413,8 @@ _WAITS = (
     (CHILD_FILE, None, CHILD_WAIT),
     ("/torch/distributed/distributed_c10d.py", {"new_group", "new_subgroups", "new_subgroups_by_enumeration",
                                                 "split_group"}, NEW_GROUP_WAIT),
-    ("/concurrent/futures/", None, "waiting for a future's result"),
-    ("/multiprocessing/pool.py", None, "waiting for a multiprocessing pool"),
+    ("/concurrent/futures/", None, FUTURE_WAIT),
+    ("/multiprocessing/pool.py", None, POOL_WAIT),
     ("/queue.py", None, "waiting on a queue"),  # a queue waits on a threading Condition
     ("/threading.py", {"join", "_wait_for_tstate_lock"}, "waiting for a thread to end"),
     ("/threading.py", None, "waiting on a threading Event, Condition or Barrier"),
@@ -440,13 +447,14 @@ def waiting_for(frame: dict[str, Any], stack: list[dict[str, Any]]) -> str | Non
 
 
 def workers_text(workers: list[dict[str, Any]]) -> str:
-    """Where the busy ones of a rank's DataLoader workers are, in the dataset's code: 'worker pid 41
-    is sleeping at data.py:12 in __getitem__' ('' when none is: an idle worker waits in torch's
-    worker loop for its next index)."""
+    """Where the busy ones of a rank's worker processes (a DataLoader's, a multiprocessing Pool's) are,
+    in the user's code: 'worker pid 41 is sleeping at data.py:12 in __getitem__' ('' when none is:
+    an idle worker waits in its worker loop for its next item)."""
     parts = []
     for worker in workers:
         frames = worker.get("frames") or []
-        loop = max((i for i, f in enumerate(frames) if runs_in(f, _WORKER_LOOP_FILE)), default=None)
+        loop = max((i for i, f in enumerate(frames) if any(runs_in(f, file) for file in _WORKER_LOOP_FILES)),
+                   default=None)
         below = frames[loop + 1:] if loop is not None else []
         user = next((f for f in reversed(below) if f.get("user")), None)
         if user is not None:
