@@ -44,6 +44,17 @@ NOT_CREDENTIALS = frozenset({"TOKENIZERS_PARALLELISM", "HF_HUB_DISABLE_IMPLICIT_
 _NAME_CHARS = r"[A-Za-z0-9_.\-]{0,48}"  # bounded: a long dotted run must not go quadratic
 _CRED_WORD = r"(?:TOKEN|SECRET|PASSWORD|PASSWD|KEY|CRED|AUTH|COOKIE|SESSION|PRIVATE)"
 
+# a command-line flag that takes a secret: the credential word is its last part (--hf-token,
+# --api_key, --client-secret, --password), not a count or a name beside it (--max-tokens,
+# --eos_token_id, --tokenizer, --session-name, --sort_key, --author)
+_SECRET_FLAG_NAME = (r"(?:[a-z0-9]+[-_]){0,6}(?:token|secret|password|passwd|pass|pwd|credentials?|apikey|"
+                     r"(?:api|access|secret|private|auth|wandb|license|account|client|service)[-_]?key)"
+                     r"(?![a-z0-9_\-])")
+_SECRET_FLAG = re.compile(rf"(?i)^--?{_SECRET_FLAG_NAME}$")
+_SECRET_SHORT_OPTIONS = frozenset({"-p", "-P", "-u"})  # sshpass/mysql/docker login -p, curl -u user:pass
+_USERINFO = re.compile(r"(?i)\b([a-z][a-z0-9+.\-]{0,20}://)[^/\s@\"'<>]{1,256}@")  # https://TOKEN@host
+_RANDOM_WORD = re.compile(r"^(?=.*\d)(?=.*[A-Za-z])[A-Za-z0-9_\-]{24,}$")  # a long key, given bare
+
 # shapes of secrets: (cheap lowercase hints, pattern, replacement). A pattern runs only on text that
 # contains one of its hints, which keeps redaction fast on large outputs. Replacements keep the
 # non-secret prefix readable.
@@ -69,11 +80,9 @@ _SHAPES: list[tuple[tuple[str, ...], re.Pattern[str], str]] = [
     # scheme://user:password@host
     (("://",), re.compile(r"(?i)\b([a-z][a-z0-9+.\-]{0,20}://[^/\s:@\"'<>]{1,256}):([^/\s@\"'<>]{1,256})@"),
      rf"\1:{REDACTED}@"),
-    # --hf-token VALUE / --password=VALUE / --api_key VALUE on command lines (not a count of
-    # tokens or a tokenizer's name: --max-tokens 512, --tokenizer gpt2)
-    (("--",), re.compile(r"(?i)(--[a-z0-9_\-]{0,40}(?:TOKEN(?!S?IZ|S\b|S[-_])|SECRET|PASSWORD|PASSWD|KEY|"
-                         r"CRED|AUTH|COOKIE|SESSION|PRIVATE)[a-z0-9_\-]{0,40})([ =])"
-                         r"(?!<redacted>)([^\s\"']+)"), rf"\1\2{REDACTED}"),
+    # --hf-token VALUE / --password=VALUE / --api_key 'VALUE' on command lines: ``_SECRET_FLAG``
+    (("--",), re.compile(rf"(?i)(--{_SECRET_FLAG_NAME})([ =])(?!<redacted>)('[^']*'|\"[^\"]*\"|[^\s\"']+)"),
+     lambda match: match[0] if _is_trivial(match[3].strip("'\"")) else f"{match[1]}{match[2]}{REDACTED}"),
 ]
 _CRED_ANY = re.compile(_CRED_WORD, re.I)
 # NAME=value, NAME: value, "name": "value", name = 'value' where NAME is credential-like
@@ -157,6 +166,36 @@ def redact_text(text: str, extra_values: Iterable[str] = ()) -> str:
     ``extra_values``, and values that look like secrets (see the module docstring).
     """
     return redact_text_count(text, extra_values)[0]
+
+
+def redact_argv(words: Iterable[str]) -> list[str]:
+    """A command line's words with their secrets replaced, word by word (a value quoted or with
+    spaces is one word here, where text would split it): the value after a flag that takes a
+    secret (--password X, --hf-token X; -p X and -u X too, as sshpass, mysql and curl take them,
+    and mysql's -pX), a NAME=value with a credential-like NAME, a URL's user part, a long bare word
+    of letters and digits (a key given by position), then ``redact_text``'s shapes and values."""
+    cleaned: list[str] = []
+    secret_next = False
+    for word in words:
+        if secret_next and not _is_trivial(word):
+            cleaned.append(REDACTED)
+        else:
+            cleaned.append(_redact_word(word))
+        secret_next = bool(_SECRET_FLAG.match(word)) or word in _SECRET_SHORT_OPTIONS
+    return cleaned
+
+
+def _redact_word(word: str) -> str:
+    """One word of a command line (``redact_argv``): the secret in it replaced."""
+    if word[:2] in {"-p", "-P"} and len(word) > 2 and not word.startswith("--"):
+        return word[:2] + REDACTED  # mysql -pSECRET
+    name, equals, value = word.partition("=")
+    if equals and value and not _is_trivial(value) and (
+            is_credential_name(name.lstrip("-")) or _SECRET_FLAG.match(name)):
+        return f"{name}={REDACTED}"
+    if _RANDOM_WORD.match(word):
+        return REDACTED
+    return redact_text(_USERINFO.sub(rf"\1{REDACTED}@", word))
 
 
 def redact_env(mapping: Mapping[str, str], extra_values: Iterable[str] = ()) -> dict[str, str]:

@@ -81,9 +81,34 @@ def test_shapes_are_redacted(text):
     "tokenizer = AutoTokenizer.from_pretrained(name)",
     "hf_hub_download(repo_id)",
     "python train.py --max-tokens 512 --tokenizer gpt2 --tokens_per_batch 4096",
+    "python train.py --author Jane --sessions 3 --session-name run1 --key-column text --eos_token_id 2",
+    "python train.py --use_auth_token True --sort_key loss --primary_key id --max_session_len 100",
 ])
 def test_look_alikes_are_left_alone(text):
     assert redact.redact_text(text) == text
+
+
+@pytest.mark.parametrize("argv, secret", [
+    (["sh", "-c", "sleep 30", "job", "--api-key", "p&ss!word"], "p&ss"),  # quoted by a shell, still one word
+    (["run", "--password", "a b c"], "a b"),
+    (["env", "DB_PASSWORD=p&ss;word", "python", "x.py"], "p&ss"),
+    (["env", "HF_TOKEN=abc def ghi", "python"], "def"),
+    (["sshpass", "-p", "hunter2secret", "ssh", "host"], "hunter2"),
+    (["mysql", "-phunter2secret", "db"], "hunter2"),
+    (["curl", "-u", "admin:pass1234", "https://x"], "pass1234"),
+    (["wandb", "login", "0123456789abcdef0123456789abcdef01234567"], "0123456789abcdef"),
+    (["git", "clone", "https://ghp123tokenvalue@github.com/x/y"], "ghp123"),
+])
+def test_a_command_lines_secrets_are_redacted_word_by_word(argv, secret):
+    cleaned = redact.redact_argv(argv)
+    assert len(cleaned) == len(argv) and redact.REDACTED in " ".join(cleaned)
+    assert not any(secret in word for word in cleaned), cleaned
+
+
+def test_a_command_line_without_secrets_is_left_as_it_is():
+    for argv in (["python", "-c", "import time; time.sleep(3600)", "--use_auth_token", "True"],
+                 ["git", "lfs", "pull", "--include", "*.bin"], ["python", "train.py", "--max-tokens", "512"]):
+        assert redact.redact_argv(argv) == argv
 
 
 def test_redact_data_walks_nested_json():

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shlex
 import shutil
 import socket
@@ -287,19 +288,40 @@ def children_waited_for(ranks: dict[Any, tuple[int, list[dict[str, Any]]]],
         if loader:
             children.update({child.pid: rank for child in kids})
         else:
-            found[rank] = [entry for child in kids if (entry := _command_of(child, parent)) is not None]
+            found[rank] = _commands_of(kids, parent)
     for child, frames in sorted(read_stacks({pid: pid for pid in children}, timeout_s).items()):
         found.setdefault(children[child], []).append({"pid": child, "frames": frames})
     return found
 
 
 COMMAND_CHARS = 80  # a child's command as the diagnosis says it
+COMMANDS_SAID = 2  # the newest children a rank waits for, named
+# Python's own helper processes among a rank's children: not a command the script ran
+_HELPER_PROCESS = re.compile(r"from multiprocessing\.|--multiprocessing-fork|"
+                             r"multiprocessing\.(resource_tracker|forkserver)")
+
+
+def _commands_of(kids: list[Any], parent: Any) -> list[dict[str, Any]]:
+    """The commands of a rank's children (``_command_of``), the newest first, ``COMMANDS_SAID`` at most."""
+    import psutil
+
+    def started(child: Any) -> float:
+        try:
+            return child.create_time()
+        except psutil.Error:
+            return 0.0
+
+    found = [entry for child in sorted(kids, key=started, reverse=True)
+             if (entry := _command_of(child, parent)) is not None]
+    return found[:COMMANDS_SAID]
 
 
 def _command_of(child: Any, parent: Any) -> dict[str, Any] | None:
-    """A child process as ``{"pid", "cmd"}``: its command line quoted as a shell would, secrets
-    redacted, cut; None when it is gone, cannot be read, or is a fork of ``parent`` (its command
-    line: a DataLoader's worker kept alive, not the command the rank waits for)."""
+    """A child process as ``{"pid", "cmd"}``: its command line quoted as a shell would, its secrets
+    redacted word by word (``redact.redact_argv``), cut; None when it is gone, cannot be read, is a
+    fork of ``parent`` (its command line: a DataLoader's worker kept alive, not the command the rank
+    waits for) or one of Python's helper processes (multiprocessing's resource tracker, forkserver,
+    spawned workers)."""
     import psutil
 
     try:
@@ -308,7 +330,10 @@ def _command_of(child: Any, parent: Any) -> dict[str, Any] | None:
             return None
     except psutil.Error:
         return None
-    text = redact.redact_text(shlex.join([Path(words[0]).name, *words[1:]]))
+    text = shlex.join([Path(words[0]).name, *redact.redact_argv(words[1:])])
+    if _HELPER_PROCESS.search(text):
+        return None
+    text = re.sub(rf"'([^' ]*{re.escape(redact.REDACTED)}[^' ]*)'", r"\1", text)  # no quotes around it
     return {"pid": child.pid, "cmd": text if len(text) <= COMMAND_CHARS else text[:COMMAND_CHARS - 1] + "…"}
 
 
