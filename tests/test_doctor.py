@@ -20,7 +20,7 @@ import psutil
 import pytest
 from conftest import marker_line
 
-from helpers import collectives, doctor, repro, scenarios
+from helpers import collectives, doctor, procs, repro, scenarios
 from helpers.doctor import diagnosis as diagnosis_module
 from helpers.doctor import source, wording
 from helpers.launch import LaunchTimeout, RankError, RankExited, launch
@@ -875,48 +875,94 @@ def test_a_rank_that_skipped_the_rest_of_a_turn_is_named_in_its_next_turn_with_t
     # further down: one rank on each side, and the one that came round is the one that skipped
     found = _hung_run(_skips_the_rest_of_one_turn)
     assert (found.kind, found.ranks) == ("collective-mismatch", [1]), found.text()
-    said = (f"Rank 1 has {wording.LATER_TURN} {HERE}:{_line('turn loop')} without the all_reduce at "
-            f"{HERE}:{_line('turn call')} that rank 0 waits in. In that loop, the continue at "
-            f"{HERE}:{_line('turn skip')} (if math.isnan(loss)) skips the rest of its turn")
+    said = (f"Rank 1 has {wording.LATER_TURN} {HERE}:{_line('turn loop')} again without the all_reduce "
+            f"at {HERE}:{_line('turn call')} that rank 0 waits in (its next turn, or the loop run anew). In "
+            f"that loop, the continue at {HERE}:{_line('turn skip')} (if math.isnan(loss)) skips the rest")
     assert said in found.summary, found.summary
     assert found.fix.startswith(wording.LOOP_EXIT_CURE), found.fix
     assert wording.UNEVEN_LOOP_CURE not in found.fix  # no loop ran out here
     leftovers.check()
 
 
-def test_the_few_ranks_that_went_round_a_loop_past_a_guarded_call_are_the_culprits(tmp_path):
-    # the other side's call sits under a rank condition that most ranks pass: the few that skipped it
-    # are the odd ones (4 ranks: 3 wait in the barrier); in a tie the branch on the rank is, as for
-    # the catalog's in-order logging under 'if accelerator.is_main_process:
-    from helpers.doctor.diagnosis import _odd_ones_out
+def _turn_ops(script: Path, calls: dict[int, tuple[str, int]]) -> dict:
+    """Each rank's call (op, line) at collective #12 of ``script``, as the doctor's records give it."""
     from helpers.doctor.records import Op
 
+    return {rank: Op(op=name, seq=12, pg="0", file=str(script), line=line, where=f"{script.name}:{line}")
+            for rank, (name, line) in calls.items()}
+
+
+def _culprits(present: dict) -> list[int]:
+    from helpers.doctor.diagnosis import _odd_ones_out
+
+    groups: dict = {}
+    for rank, each in present.items():
+        groups.setdefault(each.signature(), []).append(rank)
+    return _odd_ones_out(groups, present, {}, ("0", 12), {})
+
+
+def test_the_ranks_that_came_round_a_loop_past_the_others_call_are_the_culprits(tmp_path):
+    # the other side's call sits under a rank condition that most ranks pass: the few that skipped it
+    # are the odd ones (4 ranks: 3 wait in the barrier); in a tie the branch on the rank is, as for
+    # the catalog's in-order logging under 'if accelerator.is_main_process:'
     script = tmp_path / "train.py"
     script.write_text("for step in range(9):\n"
                       "    all_reduce(t)\n"
                       "    if not (rank == 1 and step == 5):\n"
                       "        barrier()\n")
-    def op(name: str, line: int) -> Op:
-        return Op(op=name, seq=12, pg="0", file=str(script), line=line, where=f"train.py:{line}")
-
     for world in (2, 4):
-        present = {rank: op("barrier", 4) if rank != 1 else op("all_reduce", 2) for rank in range(world)}
-        groups: dict = {}
-        for rank, each in present.items():
-            groups.setdefault(each.signature(), []).append(rank)
-        assert _odd_ones_out(groups, present, {}, ("0", 12), {}) == ([1] if world == 4 else [0])
+        present = _turn_ops(script, {rank: ("barrier", 4) if rank != 1 else ("all_reduce", 2)
+                                     for rank in range(world)})
+        assert _culprits(present) == ([1] if world == 4 else [0])
         text = wording.divergence_summary("collective-mismatch", ("0", 12), present, [1], {})
-        assert (f"Rank 1 has {wording.LATER_TURN} train.py:1 without the barrier at train.py:4 that "
-                f"{'rank 0 waits' if world == 2 else 'the others wait'} in. That call is under "
-                "'if not (rank == 1 and step == 5):' at train.py:3.") in text, text
-    # a call of the rank's own under a condition in the same turn is not a later turn
-    script = tmp_path / "extra.py"  # (a file's parse is cached by its name)
+        assert (f"Rank 1 has {wording.LATER_TURN} train.py:1 again without the barrier at train.py:4 that "
+                f"{'rank 0 waits' if world == 2 else 'the others wait'} in (its next turn, or the loop run "
+                "anew). That call is under 'if not (rank == 1 and step == 5):' at train.py:3.") in text, text
+    # two ranks of three skipped with a continue: they are the culprits, not the one that did not;
+    # a continue above both calls skips both and is not named, the one between them is
+    script = tmp_path / "skip.py"  # (a file's parse is cached by its name)
+    script.write_text("for step in range(9):\n"
+                      "    if warmup:\n"
+                      "        continue\n"
+                      "    all_reduce(t)\n"
+                      "    if bad:\n"
+                      "        continue\n"
+                      "    barrier()\n")
+    present = _turn_ops(script, {0: ("all_reduce", 4), 1: ("barrier", 7), 2: ("all_reduce", 4)})
+    assert _culprits(present) == [0, 2]
+    text = wording.divergence_summary("collective-mismatch", ("0", 12), present, [0, 2], {})
+    assert "the continue at skip.py:6 (if bad)" in text and "skip.py:3" not in text, text
+    # a break out of an inner loop that the outer loop runs again is named too
+    script = tmp_path / "inner.py"
+    script.write_text("for epoch in range(9):\n"
+                      "    while True:\n"
+                      "        all_reduce(t)\n"
+                      "        if done:\n"
+                      "            break\n"
+                      "        barrier()\n")
+    present = _turn_ops(script, {0: ("all_reduce", 3), 1: ("barrier", 6)})
+    text = wording.divergence_summary("collective-mismatch", ("0", 12), present, [0], {})
+    assert "the break at inner.py:5 (if done) ends the loop" in text, text
+
+
+def test_calls_that_are_not_one_turn_of_a_loop_apart_are_no_skipped_turn(tmp_path):
+    # a call of the rank's own under a condition in the same turn
+    script = tmp_path / "extra.py"
     script.write_text("for step in range(9):\n"
                       "    if rank == 0:\n"
                       "        all_reduce(t)\n"
                       "    barrier()\n")
-    present = {0: op("all_reduce", 3), 1: op("barrier", 4)}
-    assert wording.turn_skipped(present, {}) is None
+    assert wording.turn_skipped(_turn_ops(script, {0: ("all_reduce", 3), 1: ("barrier", 4)}), {}) is None
+    # a call in the loop's else block (after its last turn), or in a function defined in the loop
+    script = tmp_path / "other.py"
+    script.write_text("for step in range(9):\n"
+                      "    all_reduce(t)\n"
+                      "    def report():\n"
+                      "        gather(x)\n"
+                      "else:\n"
+                      "    barrier()\n")
+    assert wording.turn_skipped(_turn_ops(script, {0: ("all_reduce", 2), 1: ("barrier", 6)}), {}) is None
+    assert wording.turn_skipped(_turn_ops(script, {0: ("all_reduce", 2), 1: ("gather", 4)}), {}) is None
 
 
 def _scatters_a_list_one_short():
@@ -1754,11 +1800,24 @@ def test_ranks_all_waiting_in_init_for_a_larger_world_are_told_the_world_they_as
         "All 2 ranks the launch started wait in init_process_group at world.py:5 for a world of 4 processes "
         "(its world_size argument or WORLD_SIZE, on every rank): ranks 2 to 3 were never started."), data
     assert data["fix"].startswith(wording.WORLD_CURE)
+    # the right world size, two addresses: no rank is missing, they never connected; said so, hedged
+    ports = [procs.free_port(), procs.free_port()]
+    script.write_text("import os\n"
+                      "import torch.distributed as dist\n"
+                      "rank = int(os.environ['RANK'])\n"
+                      f"address = 'tcp://127.0.0.1:' + str({ports}[rank])  # one per rank\n"
+                      "dist.init_process_group('gloo', init_method=address, world_size=2, rank=rank)\n")
+    done = _doctor_cli("--num-processes", "2", "--stall-s", "1.5", "--json", str(tmp_path / "d.json"), "--",
+                       str(script))
+    data = json.loads((tmp_path / "d.json").read_text())
+    assert (done.returncode, data["kind"], data["ranks"]) == (3, "unknown", []), done.stderr[-2000:]
+    assert "none asked for more ranks than the launch started: they have not connected" in data["summary"]
+    assert data["fix"].startswith(wording.INIT_CONNECT_CURE)
     leftovers.check()
 
 
 def test_a_communication_error_is_told_from_a_ranks_own_and_from_pythons_pipes():
-    is_comm = diagnosis_module._is_comm_error
+    is_comm = diagnosis_module.is_comm_error
     assert is_comm("RuntimeError: [../gloo/transport/tcp/pair.cc:553] Connection closed by peer")
     assert is_comm("DistBackendError: NCCL communicator was aborted on rank 1.")
     # the backend names itself in errors about the rank's own arguments too

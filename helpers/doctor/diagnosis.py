@@ -493,7 +493,7 @@ _PYTHON_OS_ERROR = re.compile(r"^(ConnectionResetError|BrokenPipeError|Connectio
                               r"ConnectionRefusedError|EOFError):")
 
 
-def _is_comm_error(error: str) -> bool:
+def is_comm_error(error: str) -> bool:
     """Does an error say the communication failed (a peer gone, a timeout), not the call itself?"""
     return (bool(_COMM_ERROR.search(error)) and not _ARGUMENT_ERROR.search(error)
             and not _PYTHON_OS_ERROR.match(error))
@@ -503,7 +503,7 @@ def _failed_inside(view: RankView, error: str | None) -> Op | None:
     """For a communication error raised outside any Python wrapper (DDP's collectives, issued from
     C++; a p2p work's ``wait()``): the collective it came from, i.e. the first not retired, else
     the isend or irecv posted last of those still open, else the last collective enqueued."""
-    if not error or not _is_comm_error(error):
+    if not error or not is_comm_error(error):
         return None
     entries = [e for e in (view.state or {}).get("fr") or [] if not e.get("is_p2p")]
     pending = [e for e in entries if not e.get("retired")]
@@ -689,9 +689,11 @@ def _classify(positions: dict[int, Position], histories: dict[int, dict], views:
         if any(positions[rank].detail.startswith(wording.FILE_LOCK_WAIT) for rank in missing):
             cures.insert(0, wording.FILE_LOCK_CURE)
         return ("rank-missing", missing, wording.missing_summary(missing, positions), *cures)
-    unborn = _waiting_for_unborn_ranks(positions)
-    if unborn:
-        return "rank-missing", unborn, wording.unborn_ranks_summary(unborn, positions), wording.WORLD_CURE
+    if _all_in_init(positions):
+        unborn = _asked_for_a_larger_world(positions)
+        if unborn:
+            return "rank-missing", unborn, wording.unborn_ranks_summary(unborn, positions), wording.WORLD_CURE
+        return "unknown", [], wording.all_in_init_summary(positions), wording.INIT_CONNECT_CURE
     if all(p.state == "finished" for p in positions.values()):
         count = max((len(h) for h in histories.values()), default=0)
         return "ok", [], (f"All {len(positions)} ranks finished; their collectives matched "
@@ -1020,9 +1022,10 @@ def _odd_ones_out(groups: dict[tuple, list[int]], present: dict[int, Op], histor
     """Which ranks diverged: those whose list differs from the source rank's in an object-list
     broadcast (the source's objects are the ones sent), then rank-conditional code (around the
     call's line, or, for the collective a rank is in now, around a caller's; but not when they are
-    the many and the others went on to a later turn of a loop past their call,
-    ``wording.turn_skipped``: the few skipped the call, as 'if not (rank == 1 and bad):' does),
-    then a strict majority (in a tie, the ranks that went on), then history."""
+    the many and the others came round a loop past their call, ``wording.turn_skipped``: the few
+    skipped the call, as 'if not (rank == 1 and bad):' does), then the ranks that came round a loop
+    past the others' call, then a condition on a per-rank value, then a strict majority, then
+    history."""
     everyone = sorted(present)
     root = _common_root(present)
     if root in present and all(wording.is_object_list(op) for op in present.values()):
@@ -1036,14 +1039,14 @@ def _odd_ones_out(groups: dict[tuple, list[int]], present: dict[int, Op], histor
     skipped_by_few = skipped is not None and len(conditional) * 2 > len(everyone)
     if conditional and len(conditional) < len(everyone) and not skipped_by_few:
         return conditional
+    if skipped is not None:  # the ranks that came round the loop past the others' call skipped it
+        return skipped[0]
     deciding = [r for r in everyone if wording.decided_per_rank(present[r].file, present[r].line)]
     if deciding and len(deciding) < len(everyone):  # 'if time.time() - last > 30:', 'if loss < best:'
         return deciding
     largest = max(groups.values(), key=len)
     if len(largest) * 2 > len(everyone):
         return [r for r in everyone if r not in largest]
-    if skipped is not None and len(skipped[0]) * 2 == len(everyone):  # a tie: the ranks that skipped
-        return skipped[0]
     novel = [r for r in everyone if not _seen_elsewhere(r, present[r], histories, key)]
     if novel and len(novel) < len(everyone):
         return novel
@@ -1069,15 +1072,17 @@ def _seen_elsewhere(rank: int, op: Op, histories, key) -> bool:
     return False
 
 
-def _waiting_for_unborn_ranks(positions: dict[int, Position]) -> list[int]:
-    """When every rank waits in init_process_group (none missing, none ended), the ranks whose call
-    waits for a larger world than the launch's (every rank when none says its world size): they
-    wait for ranks that were never started. [] otherwise."""
-    if not positions or any(p.state != "in-collective" or p.op is None or p.op.op != INIT_OP
-                            for p in positions.values()):
-        return []
-    larger = sorted(rank for rank, p in positions.items() if p.op.world and p.op.world > len(positions))
-    return larger or sorted(positions)
+def _all_in_init(positions: dict[int, Position]) -> bool:
+    """Does every rank wait in init_process_group (none missing, none ended)?"""
+    return bool(positions) and all(p.state == "in-collective" and p.op is not None and p.op.op == INIT_OP
+                                   for p in positions.values())
+
+
+def _asked_for_a_larger_world(positions: dict[int, Position]) -> list[int]:
+    """The ranks whose init_process_group waits for a larger world than the launch's: they wait
+    for ranks that were never started."""
+    count = len(positions)
+    return sorted(rank for rank, p in positions.items() if p.op and p.op.world and p.op.world > count)
 
 
 def _waiting_in_init(positions: dict[int, Position]) -> bool:
@@ -1214,7 +1219,7 @@ def _own_errors(positions: dict[int, Position]) -> list[int]:
     rejecting a rank's split sizes, torch its tensor), when no rank ended otherwise: the cause."""
     return [pos.rank for pos in positions.values()
             if pos.state == "exited" and pos.victim and pos.op is not None and not pos.timed_out
-            and pos.op.error and not _is_comm_error(wording.short_error(pos.op.error))]
+            and pos.op.error and not is_comm_error(wording.short_error(pos.op.error))]
 
 
 def _p2p_waits(positions: dict[int, Position]):

@@ -52,7 +52,7 @@ from helpers import procs, redact, report, rundir, trace
 from helpers.collectives import INIT_OP
 from helpers.doctor import pyspy, wording
 from helpers.doctor.board import SILENT_S, Board, Seen
-from helpers.doctor.diagnosis import EXIT_CODES, Diagnosis
+from helpers.doctor.diagnosis import EXIT_CODES, Diagnosis, is_comm_error
 from helpers.doctor.leader import (
     EVIDENCE_WAIT_S,
     create_time,
@@ -142,9 +142,10 @@ def run_rank(job: JobEnv, options: JobOptions, command: list[str]) -> NoReturn:
     os._exit = watchdog.script_exits  # type: ignore[assignment] - a script's own os._exit says so first
     code, error = run_as_main(command)
     watchdog.ended(_exit_record(code, error))  # before the traceback: SIGTERM may come meanwhile
-    if error is not None and watchdog.stop_code is not None:  # an echo of the stop, not a cause
+    said = _first_line(error) if error is not None else ""
+    if error is not None and watchdog.stop_code is not None and is_comm_error(said):  # the stop's echo
         print(f"doctor: rank {job.rank}'s script then failed as the other ranks left on the doctor's stop "
-              f"({_first_line(error)})", file=sys.stderr)
+              f"({redact.redact_text(said)})", file=sys.stderr)
     elif error is not None:
         traceback.print_exception(error)
     watchdog.wait_for_verdict()
@@ -730,7 +731,10 @@ _SOURCE_PREFIX = re.compile(r"^\[[^\]]*\.(?:cc|cpp|h|hpp):\d+\]\s*")
 
 def _first_line(error: BaseException) -> str:
     """An exception as its type and the first line of its message, cut at 200 characters."""
-    lines = str(error).strip().splitlines()
+    try:
+        lines = str(error).strip().splitlines()
+    except Exception:  # noqa: BLE001 - an exception whose __str__ fails: its type alone
+        lines = []
     first = _SOURCE_PREFIX.sub("", lines[0]) if lines else ""  # gloo's "[.../pair.cc:553] "
     text = f"{type(error).__name__}: {first}" if first else type(error).__name__
     return text if len(text) <= 200 else text[:199] + "…"

@@ -250,6 +250,20 @@ def _innermost(filename: str | None, line: int | None, kinds: tuple[type, ...]) 
     return max(around, key=lambda node: node.lineno, default=None)
 
 
+def in_loop_body(filename: str | None, header: int | None, line: int | None) -> bool:
+    """Is ``line`` in the body of the loop whose header is at ``header``, run by its turns: not in
+    its ``else`` block, nor in a function or class defined inside it?"""
+    parsed = _tree(filename)
+    if parsed is None or header is None or line is None:
+        return False
+    loop = next((node for node in ast.walk(parsed[0]) if isinstance(node, _LOOPS) and node.lineno == header),
+                None)
+    if loop is None or not _within(loop.body, line):
+        return False
+    return not any(isinstance(node, _SCOPES) and node.lineno <= line <= (node.end_lineno or 0)
+                   for statement in loop.body for node in ast.walk(statement))
+
+
 def enclosing_function(filename: str | None, line: int | None) -> int | None:
     """The header line of the innermost function (or lambda) around ``line``: 0 at module level,
     None when the file cannot be read."""

@@ -17,6 +17,7 @@ from helpers.doctor.records import WORLD_PG, Op, Position
 from helpers.doctor.source import (
     enclosing_condition,
     enclosing_loop,
+    in_loop_body,
     loop_exits,
     loop_left,
     mentions_rank,
@@ -54,14 +55,14 @@ FIXES = {
 }
 
 
-# the loop a worker process runs the user's code from: a DataLoader's, a multiprocessing Pool's, a
-# ProcessPoolExecutor's
-_WORKER_LOOP_FILES = ("/torch/utils/data/_utils/worker.py", "/multiprocessing/pool.py",
-                      "/concurrent/futures/process.py")
+DATALOADER_WAIT = "waiting for a batch from its DataLoader's worker processes"
 POOL_FILES = ("/multiprocessing/pool.py", "/concurrent/futures/")  # a rank waiting there waits for workers
 POOL_WAIT = "waiting for a multiprocessing pool"
 FUTURE_WAIT = "waiting for a future's result"
-DATALOADER_WAIT = "waiting for a batch from its DataLoader's worker processes"
+# the loop a worker process runs the user's code from, by what the rank waits for: a DataLoader's
+# workers, a multiprocessing Pool's, a ProcessPoolExecutor's
+_WORKER_LOOPS = {DATALOADER_WAIT: "/torch/utils/data/_utils/worker.py", POOL_WAIT: "/multiprocessing/pool.py",
+                 FUTURE_WAIT: "/concurrent/futures/process.py"}
 FILE_LOCK_WAIT = "waiting for a file lock"  # a dataset or model cache's, most often (on shared storage)
 STDIN_WAIT = "waiting for input on stdin"  # a rank's line calls input()
 CHILD_FILE = "/subprocess.py"  # a rank that waits in it waits for a child process it started
@@ -107,7 +108,7 @@ KNOWN_ERRORS = [
      "reads its key from the environment (HF_TOKEN for the Hugging Face Hub, WANDB_API_KEY for "
      "Weights & Biases)."),
     (re.compile(r"Incorrect (input|output) list size|invalid (input|output) tensor list|"
-                r"requires a single-element (input|output) list"),
+                r"requires a single-element (input |output )?(tensor )?list"),
      "A collective's list of tensors has one tensor per rank of its group: scatter's scatter_list on "
      "its source rank (None on the others), gather's gather_list on its destination, all_gather's "
      "tensor_list on every rank; its length is dist.get_world_size(group), which gloo checks on the "
@@ -129,8 +130,9 @@ KNOWN_ERRORS = [
     (re.compile(re.escape(CHILD_WAIT)),
      "The rank waits for a command it started, while the others wait in their next collective. Give "
      "the call a deadline: subprocess.run(..., timeout=S) kills the command and raises "
-     "TimeoutExpired, an error the doctor names. Then see why the command does not end: a prompt "
-     "nobody answers (ssh and git over ssh: -o BatchMode=yes; git over https: GIT_TERMINAL_PROMPT=0 "
+     "TimeoutExpired, an error the doctor names (with shell=True it kills the shell, and what the "
+     "shell started may run on: pass the command as a list). Then see why the command does not end: "
+     "a prompt nobody answers (ssh and git over ssh: -o BatchMode=yes; git over https: GIT_TERMINAL_PROMPT=0 "
      "makes it fail instead of asking), a slow network copy, or a lock. A command every rank needs "
      "runs best once before the launch, or on the main process inside with "
      "accelerator.main_process_first()."),
@@ -169,7 +171,7 @@ CROSSED_P2P_CURE = (
 
 LOOP_RAN_OUT = "ran out first"  # in a summary: some ranks left a loop the others are still in
 LOOP_EXITS = "In that loop, "  # in a summary: the continue, break or return that can end a turn early
-LATER_TURN = "gone on to a later turn of the loop at"  # in a summary: ranks skipped the others' call
+LATER_TURN = "come round to the loop at"  # in a summary: ranks skipped the others' call in it
 EXIT_HEDGE = "if its condition can differ between ranks"  # in it: no exit is likely to differ
 LOOP_EXIT_CURE = (
     "Decide each skip and early exit of the loop on every rank together: reduce its condition across "
@@ -228,6 +230,15 @@ WORLD_CURE = (
     "WORLD_SIZE and RANK), or launch as many processes as the script asks for (nodes x processes "
     "per node). A world size read from a configuration written for another machine is the usual "
     "cause; ranks given different init_method addresses wait the same way.")
+
+INIT_CONNECT_CURE = (
+    "Check that every rank meets at one address: let the launcher set MASTER_ADDR and MASTER_PORT "
+    "(no init_method or port of the script's own), the same on every node. Then the connections "
+    "between ranks: gloo binds to the address this machine's host name resolves to (a name that "
+    "resolves to 127.0.1.1, as /etc/hosts has it on Debian and Ubuntu, is reached by no other node; "
+    "GLOO_SOCKET_IFNAME picks the interface), NCCL to the interface NCCL_SOCKET_IFNAME names; a "
+    "firewall between nodes must let the ports through. "
+    "TORCH_DISTRIBUTED_DEBUG=DETAIL and, for NCCL, NCCL_DEBUG=INFO log what each rank tries.")
 
 TIMEOUT_CURE = (
     "If the missing rank's work is slow rather than stuck (a checkpoint, a download, a first compile), "
@@ -377,7 +388,7 @@ def activity(rank: int, frame: dict[str, Any], stack: list[dict[str, Any]], sile
         return f"in native code holding the GIL at {frame['where']}"
     waits = waiting_for(frame, stack)
     if waits is not None:
-        busy = workers_text(workers or []) if waits in (DATALOADER_WAIT, POOL_WAIT, FUTURE_WAIT) else ""
+        busy = workers_text(workers or [], waits) if waits in _WORKER_LOOPS else ""
         if waits == CHILD_WAIT:
             busy = "; ".join(f"{child['cmd']}, pid {child['pid']}" for child in workers or []
                              if child.get("cmd"))
@@ -446,15 +457,15 @@ def waiting_for(frame: dict[str, Any], stack: list[dict[str, Any]]) -> str | Non
     return None
 
 
-def workers_text(workers: list[dict[str, Any]]) -> str:
-    """Where the busy ones of a rank's worker processes (a DataLoader's, a multiprocessing Pool's) are,
-    in the user's code: 'worker pid 41 is sleeping at data.py:12 in __getitem__' ('' when none is:
-    an idle worker waits in its worker loop for its next item)."""
+def workers_text(workers: list[dict[str, Any]], waits: str = DATALOADER_WAIT) -> str:
+    """Where the busy ones of a rank's worker processes are, in the user's code, for what the rank
+    ``waits`` for (a DataLoader's workers, a Pool's, a ProcessPoolExecutor's: ``_WORKER_LOOPS``):
+    'worker pid 41 is sleeping at data.py:12 in __getitem__' ('' when none is: an idle worker waits
+    in its worker loop for its next item)."""
     parts = []
     for worker in workers:
         frames = worker.get("frames") or []
-        loop = max((i for i, f in enumerate(frames) if any(runs_in(f, file) for file in _WORKER_LOOP_FILES)),
-                   default=None)
+        loop = max((i for i, f in enumerate(frames) if runs_in(f, _WORKER_LOOPS[waits])), default=None)
         below = frames[loop + 1:] if loop is not None else []
         user = next((f for f in reversed(below) if f.get("user")), None)
         if user is not None:
@@ -661,42 +672,45 @@ def _different_path(present: dict[int, Op], culprits: list[int], positions: dict
 
 
 def turn_skipped(present: dict[int, Op], positions: dict[int, Position]
-                 ) -> tuple[list[int], list[int], str, int, int] | None:
-    """(the early ranks, the late ranks, the file, the loop's header line, the late call's line) when
-    the ranks' calls are at two lines of one loop and the earlier line's call is unconditional in
-    it: the early side came round to the top of the loop again, past the call the late side waits
-    in (skipped by a continue, or by a condition around that call); None otherwise."""
+                 ) -> tuple[list[int], list[int], str, int, int, int] | None:
+    """(the early ranks, the late ranks, the file, the loop's header line, the early call's line, the
+    late call's line) when the ranks' calls are at two lines of one loop's body and the earlier
+    line's call is unconditional in it: the early side came round to the loop again (its next turn,
+    or the loop run anew), past the call the late side waits in (skipped by a continue, a break or
+    a return between the two, or by a condition around that call); None otherwise."""
     sites = {rank: _site(op, positions.get(rank)) for rank, op in present.items()}
     lines = set(sites.values())
     if None in lines or len(lines) != 2:
         return None
     (file, first), (late_file, call_line) = sorted(lines)  # type: ignore[type-var] - no None left
     header = enclosing_loop(file, call_line)
-    if file != late_file or header is None or enclosing_loop(file, first) != header:
+    if file != late_file or header is None or enclosing_loop(file, first) != header \
+            or not in_loop_body(file, header, first) or not in_loop_body(file, header, call_line):
         return None
     guard = enclosing_condition(file, first)
     if guard is not None and guard[0] > header:  # a call of its own in this turn, not the next turn's
         return None
     early = sorted(rank for rank, site in sites.items() if site == (file, first))
-    return early, sorted(rank for rank in sites if rank not in early), file, header, call_line
+    return early, sorted(rank for rank in sites if rank not in early), file, header, first, call_line
 
 
 def _next_turn(present: dict[int, Op], positions: dict[int, Position]) -> str:
-    """' Rank 3 has gone on to a later turn of the loop at train.py:5 without the barrier at
-    train.py:9 that the others wait in. In that loop, the continue at train.py:8 (if ...) skips ...'
+    """' Rank 3 has come round to the loop at train.py:5 again without the barrier at train.py:9
+    that the others wait in (...). In that loop, the continue at train.py:8 (if ...) skips ...'
     (``turn_skipped``; '' otherwise)."""
     skipped = turn_skipped(present, positions)
     if skipped is None:
         return ""
-    early, late, file, header, call_line = skipped
+    early, late, file, header, first, call_line = skipped
     name, several = Path(file).name, len(early) > 1
-    text = (f" {ranks_text(early)} {'have' if several else 'has'} {LATER_TURN} {name}:{header} without "
-            f"the {_op_name(present[late[0]])} at {name}:{call_line} that "
-            f"{_others_text(late)} {'waits' if len(late) == 1 else 'wait'} in.")
+    text = (f" {ranks_text(early)} {'have' if several else 'has'} {LATER_TURN} {name}:{header} again "
+            f"without the {_op_name(present[late[0]])} at {name}:{call_line} that "
+            f"{_others_text(late)} {'waits' if len(late) == 1 else 'wait'} in (its next turn, or the "
+            "loop run anew).")
     guard = enclosing_condition(file, call_line)
     if guard is not None and guard[0] > header:
         text += f" That call is under {_branch_words(guard, file)}."
-    return text + loop_exits_text(file, header, call_line, only="continue")
+    return text + loop_exits_text(file, header, call_line, after=first)
 
 
 def _calls_of(ranks: list[int]) -> str:
@@ -728,12 +742,14 @@ def _left_loop(sites: dict[int, tuple[str, int] | None], leavers: list[int], sta
             f"does).{loop_exits_text(file, header, line)}")
 
 
-def loop_exits_text(file: str, header: int, call_line: int, only: str | None = None) -> str:
+def loop_exits_text(file: str, header: int, call_line: int, after: int | None = None) -> str:
     """' In that loop, the continue at train.py:13 (if torch.isnan(loss)) skips the rest of its
     turn: it can end a turn on some ranks alone, ...' for the statements that can end a turn of the
     loop before the call at ``call_line`` (``source.loop_exits``), hedged (``EXIT_HEDGE``) when none
-    is ``_telling``; '' when there are none. ``only``: that keyword's exits alone ("continue")."""
-    exits = [exit_ for exit_ in loop_exits(file, header, call_line) if only in (None, exit_[0])]
+    is ``_telling``; '' when there are none. ``after``: only the exits between that line and the call
+    (what skipped the call once that line had run; not the loop's own test)."""
+    exits = [exit_ for exit_ in loop_exits(file, header, call_line)
+             if after is None or (exit_[0] != "while" and after < exit_[1] < call_line)]
     if not exits:
         return ""
     name = Path(file).name
@@ -1015,21 +1031,31 @@ def extra_collective_summary(extra: list[int], positions: dict[int, Position]) -
 
 
 def unborn_ranks_summary(culprits: list[int], positions: dict[int, Position]) -> str:
-    """Every rank the launch started waits in init_process_group: it waits for ranks that were
-    never started (a world size larger than the launch's, from ``culprits``' calls when they say it)."""
+    """Every rank the launch started waits in init_process_group, ``culprits``' calls for a world
+    larger than the launch's: they wait for ranks that were never started."""
     count = len(positions)
+    asked = max(op.world or 0 for rank in culprits if (op := positions[rank].op) is not None)
+    whose = "on every rank" if len(culprits) == count else f"on {ranks_text(culprits).lower()}"
+    never = f"rank {count}" if asked == count + 1 else f"ranks {count} to {asked - 1}"
+    return (f"{_all_in_init(positions)} for a world of {asked} processes (its world_size argument or "
+            f"WORLD_SIZE, {whose}): {never} {'was' if asked == count + 1 else 'were'} never started. "
+            "init_process_group returns once world_size ranks have joined.")
+
+
+def all_in_init_summary(positions: dict[int, Position]) -> str:
+    """Every rank the launch started waits in init_process_group, none for a larger world than the
+    launch's (as far as their calls say): they have not connected to each other."""
+    return (f"{_all_in_init(positions)}, and none asked for more ranks than the launch started: they "
+            "have not connected to each other. Either they were told to meet at different addresses "
+            "(init_method, MASTER_ADDR or MASTER_PORT set by the script or per node), or the backend "
+            "cannot open its connections between them (a network interface, a host name, a firewall).")
+
+
+def _all_in_init(positions: dict[int, Position]) -> str:
+    """'All 4 ranks the launch started wait in init_process_group at train.py:12'."""
     sites = ", ".join(sorted({pos.where for pos in positions.values() if pos.where}))
-    text = f"All {count} ranks the launch started wait in init_process_group"
-    text += f" at {sites}" if sites else ""
-    asked = max((op.world or 0 for rank in culprits if (op := positions[rank].op) is not None), default=0)
-    if asked > count:
-        whose = "on every rank" if len(culprits) == count else f"on {ranks_text(culprits).lower()}"
-        text += (f" for a world of {asked} processes (its world_size argument or WORLD_SIZE, {whose}): "
-                 f"ranks {count} to {asked - 1} were never started.")
-    else:
-        text += ": every rank has joined, so the group waits for ranks that were never started."
-    return text + (" init_process_group returns once world_size ranks have joined at its address (the "
-                   "launcher's WORLD_SIZE, MASTER_ADDR and MASTER_PORT unless the script passes its own).")
+    return f"All {len(positions)} ranks the launch started wait in init_process_group" + (
+        f" at {sites}" if sites else "")
 
 
 def missing_summary(missing: list[int], positions: dict[int, Position]) -> str:

@@ -318,10 +318,14 @@ def _world_asked(args: tuple, kwargs: dict[str, Any]) -> int | None:
     """The world size ``init_process_group`` waits for: its ``world_size`` argument (the fourth),
     else the ``WORLD_SIZE`` it reads from the environment; None when neither is a number."""
     asked = kwargs.get("world_size", args[3] if len(args) > 3 else -1)
-    if isinstance(asked, int) and not isinstance(asked, bool) and asked > 0:
-        return asked
-    text = os.environ.get("WORLD_SIZE", "")
-    return int(text) if text.isdigit() and int(text) > 0 else None
+    try:
+        size = operator.index(asked)  # an int, a numpy integer (not a float or a string)
+    except TypeError:
+        size = -1
+    if size > 0 and not isinstance(asked, bool):
+        return size
+    text = os.environ.get("WORLD_SIZE", "").strip()
+    return int(text) if text.isdecimal() and text.isascii() and int(text) > 0 else None
 
 
 def _write_all(fd: int, data: bytes) -> None:
