@@ -9,6 +9,7 @@ Two-node jobs do not gain from it: four ranks and two agents starting keep both 
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import re
@@ -207,6 +208,40 @@ def test_ranks_that_each_ran_alone_are_told_so_once_per_node(tmp_path, leftovers
         leaders = wording.RAN_ALONE.format(rank=0, world=4, why=why)
         assert data["verdict"] == "ok" and leaders in data["notes"], data
     leftovers.check()
+
+
+def test_nodes_that_run_different_copies_of_the_script_are_told_so(tmp_path, monkeypatch, leftovers):
+    # each agent runs train.py from its own working folder, as nodes without shared storage do: the
+    # second node's copy is an older one; the job itself is healthy, and the JSON says what differed
+    healthy = ("import torch, torch.distributed as dist\n"
+               "dist.init_process_group('gloo')\n"
+               "dist.all_reduce(torch.ones(2))\n"
+               "dist.destroy_process_group()\n")
+    for node, header in ((0, ""), (1, "# the copy from last week\n")):
+        (tmp_path / f"node{node}").mkdir()
+        (tmp_path / f"node{node}" / "train.py").write_text(header + healthy)
+    monkeypatch.chdir(tmp_path / "node0")  # where the command's path is checked before the launch
+    outcome = runs.run_job(["train.py"], tmp_path, stall_s=STALL_S, timeout_s=TIMEOUT_S)
+    assert outcome.agent_codes == [0, 0], outcome.outputs[1][-3000:]
+    data = _json(outcome)
+    digests = [hashlib.sha256((tmp_path / f"node{node}" / "train.py").read_bytes()).hexdigest()[:12]
+               for node in (0, 1)]
+    assert data["verdict"] == "ok" and data["notes"][0] == (
+        f"The ranks did not run the same software: train.py's content (sha256) {digests[0]} on ranks 0 "
+        f"and 1, {digests[1]} on ranks 2 and 3."), data
+    leftovers.check()
+
+
+def test_ranks_that_run_the_same_software_get_no_note():
+    import torch  # noqa: F401 - loaded in every rank before its watchdog posts what it runs
+
+    from helpers.doctor import software
+
+    same = software.rank_software([__file__])
+    assert set(same) >= {"python", "script", "torch"}
+    assert software.differences_note({0: same, 1: dict(same), 2: {}}) is None  # a rank that posted nothing
+    assert "torch 2.13.0 on rank 0, 2.12.1 on rank 1" in software.differences_note(
+        {0: {"torch": "2.13.0"}, 1: {"torch": "2.12.1"}})
 
 
 def test_a_forked_child_stopped_with_sigterm_is_not_its_rank(script, tmp_path, leftovers):

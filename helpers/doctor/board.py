@@ -75,10 +75,11 @@ class Board:
 
     # -- heartbeats -------------------------------------------------------------------------
 
-    def join(self, heartbeat: dict[str, Any]) -> None:
-        """Post the first heartbeat, then put this rank on the roster (so every rank on the roster has
-        a heartbeat to read)."""
+    def join(self, heartbeat: dict[str, Any], software: dict[str, str] | None = None) -> None:
+        """Post the first heartbeat and what this rank runs (``software.rank_software``), then put this
+        rank on the roster (so every rank on the roster has a heartbeat to read)."""
         self.beat(heartbeat)
+        self.store.set(f"software/{self.rank}", json.dumps(software or {}))
         self.store.set(f"call/{self.rank}", "null")
         self.store.append("roster", f"{self.rank},")
         self.store.add("roster_n", 1)
@@ -110,6 +111,17 @@ class Board:
                 continue
             if isinstance(record, dict):
                 found[rank] = record
+        return found
+
+    def software(self, ranks: list[int]) -> dict[int, dict[str, Any]]:
+        """What each of ``ranks`` (on the roster) posted that it runs, as it joined."""
+        found = {}
+        values = self.store.multi_get([f"software/{rank}" for rank in ranks])
+        for rank, value in zip(ranks, values, strict=True):
+            try:
+                found[rank] = json.loads(value)
+            except ValueError:
+                continue
         return found
 
     def read_beats(self, ranks: list[int]) -> dict[int, Seen]:

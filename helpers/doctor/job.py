@@ -50,7 +50,7 @@ from typing import Any, NoReturn
 
 from helpers import procs, redact, report, rundir, trace
 from helpers.collectives import INIT_OP
-from helpers.doctor import pyspy, wording
+from helpers.doctor import pyspy, software, wording
 from helpers.doctor.board import SILENT_S, Board, Seen
 from helpers.doctor.diagnosis import EXIT_CODES, Diagnosis, is_comm_error
 from helpers.doctor.leader import (
@@ -137,7 +137,7 @@ def run_rank(job: JobEnv, options: JobOptions, command: list[str]) -> NoReturn:
         reader = os.dup(tracer.fd)
     else:  # the tracer's file is open for appending only
         reader = os.open(rundir.trace_path(options.keep_dir, job.rank), os.O_RDONLY)
-    watchdog = Watchdog(job, options, reader, parent, tracer)
+    watchdog = Watchdog(job, options, reader, parent, tracer, command)
     watchdog.start()
     os._exit = watchdog.script_exits  # type: ignore[assignment] - a script's own os._exit says so first
     code, error = run_as_main(command)
@@ -251,10 +251,12 @@ def stop_own_children() -> None:
 class Watchdog(threading.Thread):
     """One rank's watchdog: heartbeats, answers, and the leader's work when this rank leads."""
 
-    def __init__(self, job: JobEnv, options: JobOptions, trace_fd: int, parent: int, tracer: Any = None):
+    def __init__(self, job: JobEnv, options: JobOptions, trace_fd: int, parent: int, tracer: Any = None,
+                 command: list[str] | None = None):
         super().__init__(name="helpers-doctor", daemon=True)
         self.job, self.options, self.trace_fd, self.parent = job, options, trace_fd, parent
         self.tracer = tracer  # helpers.trace's Tracer of this rank: told to post first calls
+        self.command = command or []  # what the rank runs: script.py args, or -m module args
         self.view = RankView(job.rank)
         self.records: deque = deque(maxlen=KEPT_RECORDS)
         self.host = socket.gethostname()
@@ -400,7 +402,7 @@ class Watchdog(threading.Thread):
                 if time.monotonic() >= end:
                     raise
                 time.sleep(0.5)
-        self.board.join(self.heartbeat())
+        self.board.join(self.heartbeat(), software.rank_software(self.command))
         self.settled.set()
         if self.tracer is not None:
             self.tracer.on_first = self._post_first_call
@@ -657,6 +659,7 @@ class Watchdog(threading.Thread):
         self._beat_while_leading()
         diagnosis = diagnose_answers(self.job.world, reason, since_s + time.monotonic() - started, answers,
                                      beats, self.machine, stacks, first_calls)
+        self._compare_software(diagnosis, roster)
         diagnosis.notes.append(f"diagnosed inside the job by rank {self.job.rank} (on {self.host}), "
                                f"through the job's store at {self.job.master_addr}:{self.job.master_port}")
         kept = self._restart_copy()
@@ -665,6 +668,18 @@ class Watchdog(threading.Thread):
                                    f"(torchrun's --max-restarts): this run's diagnosis is also kept in "
                                    f"{kept}, which a restart does not replace")
         self._publish(diagnosis)
+
+    def _compare_software(self, diagnosis: Diagnosis, roster: list[int]) -> None:
+        """A note when the ranks did not run the same script or versions; its cure first when the
+        job did not end well."""
+        try:
+            note = software.differences_note(self.board.software(roster), _script_name(self.command))
+        except Exception:  # noqa: BLE001 - the store failed: the diagnosis goes out without it
+            return
+        if note:
+            diagnosis.notes.insert(0, note)
+            if diagnosis.verdict != "ok":
+                diagnosis.fix = f"{software.SOFTWARE_CURE} {diagnosis.fix}"
 
     def _restart_copy(self) -> Path | None:
         """Where this run's diagnosis is also written when torchrun may restart the job, or None."""
@@ -711,6 +726,11 @@ class Watchdog(threading.Thread):
                 report.atomic_write_json(path, data)
             except OSError as exc:
                 print(f"doctor: cannot write the diagnosis to {path}: {exc}", file=sys.stderr)
+
+
+def _script_name(command: list[str]) -> str:
+    """'train.py', or 'the script' for a ``-m`` module."""
+    return Path(command[0]).name if command and command[0] != "-m" else "the script"
 
 
 def _main_site() -> dict[str, Any] | None:
