@@ -232,6 +232,26 @@ def test_nodes_that_run_different_copies_of_the_script_are_told_so(tmp_path, mon
     leftovers.check()
 
 
+def test_a_script_that_changes_its_working_folder_leaves_the_json_where_the_job_was_started(tmp_path,
+                                                                                           leftovers):
+    # --json and --keep are relative to the folder a rank started in, as the README says, even when
+    # the script moves to another folder first (a data folder, a run folder of its own)
+    moved = tmp_path / "elsewhere"
+    moved.mkdir()
+    script = tmp_path / "moves.py"
+    script.write_text("import os, time, torch.distributed as dist\n"
+                      f"os.chdir({str(moved)!r})\n"
+                      "dist.init_process_group('gloo')\n"
+                      "if dist.get_rank() == 3:\n"
+                      "    time.sleep(60)\n"
+                      "dist.barrier()\n")
+    outcome = runs.run_job([str(script)], tmp_path / "job", stall_s=STALL_S, timeout_s=TIMEOUT_S, keep=True)
+    assert _json(outcome)["ranks"] == [3]
+    assert not list(moved.iterdir()), list(moved.iterdir())
+    assert (outcome.node_dirs[1] / runs.JOB_KEEP).is_dir()
+    leftovers.check()
+
+
 def test_ranks_that_run_the_same_software_get_no_note():
     import torch  # noqa: F401 - loaded in every rank before its watchdog posts what it runs
 
