@@ -44,14 +44,22 @@ NOT_CREDENTIALS = frozenset({"TOKENIZERS_PARALLELISM", "HF_HUB_DISABLE_IMPLICIT_
 _NAME_CHARS = r"[A-Za-z0-9_.\-]{0,48}"  # bounded: a long dotted run must not go quadratic
 _CRED_WORD = r"(?:TOKEN|SECRET|PASSWORD|PASSWD|KEY|CRED|AUTH|COOKIE|SESSION|PRIVATE)"
 
-# a command-line flag that takes a secret: the credential word is its last part (--hf-token,
-# --api_key, --client-secret, --password), not a count or a name beside it (--max-tokens,
-# --eos_token_id, --tokenizer, --session-name, --sort_key, --author)
-_SECRET_FLAG_NAME = (r"(?:[a-z0-9]+[-_]){0,6}(?:token|secret|password|passwd|pass|pwd|credentials?|apikey|"
-                     r"(?:api|access|secret|private|auth|wandb|license|account|client|service)[-_]?key)"
-                     r"(?![a-z0-9_\-])")
-_SECRET_FLAG = re.compile(rf"(?i)^--?{_SECRET_FLAG_NAME}$")
-_SECRET_SHORT_OPTIONS = frozenset({"-p", "-P", "-u"})  # sshpass/mysql/docker login -p, curl -u user:pass
+# a command-line flag that takes a secret (``is_secret_flag``): one of its parts (split at - and _) is
+# a credential word, and no part beside it makes it a count, a name or a setting
+_SECRET_PARTS = frozenset({"token", "secret", "secrets", "password", "passwd", "pass", "pwd", "passphrase",
+                           "credential", "credentials", "cred", "creds", "apikey", "key", "keys", "auth",
+                           "authorization", "cookie", "cookies", "session", "private"})
+_SAFE_BEFORE = frozenset({  # --max-tokens, --eos-token-id, --sort-key, --num-key-value-heads
+    "max", "min", "num", "n", "sort", "primary", "foreign", "group", "metric", "monitor", "label", "eos",
+    "bos", "pad", "unk", "sep", "cls", "mask", "partition", "hash", "cache", "dict", "lookup", "index"})
+_SAFE_AFTER = frozenset({  # --key-column, --session-name, --tokens-per-batch, --private-key-file
+    "len", "length", "count", "size", "limit", "budget", "column", "col", "name", "names", "interval",
+    "heads", "dim", "type", "per", "file", "path", "dir"})
+_FLAG = r"--[A-Za-z0-9][A-Za-z0-9_\-]{0,80}"
+# the programs that take a password or user:password after a short option (sshpass -p, mysql -p or
+# -pSECRET, docker login -p, curl -u user:pass): elsewhere -p and -u mean other things (mkdir -p)
+_SHORT_SECRET_OPTIONS = {"sshpass": {"-p"}, "mysql": {"-p"}, "mysqldump": {"-p"}, "docker": {"-p"},
+                         "curl": {"-u"}, "mongo": {"-p"}}
 _USERINFO = re.compile(r"(?i)\b([a-z][a-z0-9+.\-]{0,20}://)[^/\s@\"'<>]{1,256}@")  # https://TOKEN@host
 _RANDOM_WORD = re.compile(r"^(?=.*\d)(?=.*[A-Za-z])[A-Za-z0-9_\-]{24,}$")  # a long key, given bare
 
@@ -80,9 +88,10 @@ _SHAPES: list[tuple[tuple[str, ...], re.Pattern[str], str]] = [
     # scheme://user:password@host
     (("://",), re.compile(r"(?i)\b([a-z][a-z0-9+.\-]{0,20}://[^/\s:@\"'<>]{1,256}):([^/\s@\"'<>]{1,256})@"),
      rf"\1:{REDACTED}@"),
-    # --hf-token VALUE / --password=VALUE / --api_key 'VALUE' on command lines: ``_SECRET_FLAG``
-    (("--",), re.compile(rf"(?i)(--{_SECRET_FLAG_NAME})([ =])(?!<redacted>)('[^']*'|\"[^\"]*\"|[^\s\"']+)"),
-     lambda match: match[0] if _is_trivial(match[3].strip("'\"")) else f"{match[1]}{match[2]}{REDACTED}"),
+    # --hf-token VALUE / --password=VALUE / --api_key 'VALUE' on command lines: ``is_secret_flag``
+    (("--",), re.compile(rf"({_FLAG})([ =])(?!<redacted>)('[^']*'|\"[^\"]*\"|[^\s\"']+)"),
+     lambda match: f"{match[1]}{match[2]}{REDACTED}"
+     if is_secret_flag(match[1]) and not _is_trivial(match[3].strip("'\"")) else match[0]),
 ]
 _CRED_ANY = re.compile(_CRED_WORD, re.I)
 # NAME=value, NAME: value, "name": "value", name = 'value' where NAME is credential-like
@@ -90,6 +99,23 @@ _ASSIGNMENT = re.compile(
     rf"(?i)(?P<name>\b{_NAME_CHARS}{_CRED_WORD}{_NAME_CHARS})"
     r"(?P<close>['\"]?\]?)(?P<sep>\s*[=:]\s*)(?P<quote>['\"]?)(?P<value>[^\s'\",;&<>)}\]]+)"
 )
+
+
+def is_secret_flag(flag: str) -> bool:
+    """Does a command-line flag take a secret: one of its parts is a credential word (--hf-token,
+    --api-key, --ssh-key, --auth-header, --session, --client-secret) and neither part beside that
+    word makes it a count, a name or a setting (--max-tokens, --eos-token-id, --key-column,
+    --sort-key, --session-name, --private-key-file)? The plain words --tokenizer and --author are
+    none."""
+    parts = [part for part in re.split(r"[-_]+", flag.lstrip("-").lower()) if part]
+    for index, part in enumerate(parts):
+        if part not in _SECRET_PARTS:
+            continue
+        before = parts[index - 1] if index else ""
+        after = parts[index + 1] if index + 1 < len(parts) else ""
+        if before not in _SAFE_BEFORE and after not in _SAFE_AFTER:
+            return True
+    return False
 
 
 def is_credential_name(name: str) -> bool:
@@ -169,29 +195,32 @@ def redact_text(text: str, extra_values: Iterable[str] = ()) -> str:
 
 
 def redact_argv(words: Iterable[str]) -> list[str]:
-    """A command line's words with their secrets replaced, word by word (a value quoted or with
-    spaces is one word here, where text would split it): the value after a flag that takes a
-    secret (--password X, --hf-token X; -p X and -u X too, as sshpass, mysql and curl take them,
-    and mysql's -pX), a NAME=value with a credential-like NAME, a URL's user part, a long bare word
-    of letters and digits (a key given by position), then ``redact_text``'s shapes and values."""
+    """A command line's words (the program first) with their secrets replaced, word by word (a value
+    quoted or with spaces is one word here, where text would split it): the value after a flag that
+    takes a secret (--password X, --hf-token X; -p X and -u X for the programs that take a password
+    there: sshpass, mysql, docker login, curl), a --flag=value or NAME=value whose name is a
+    credential's, a URL's user part, a long bare word of letters and digits (a key given by
+    position), then ``redact_text``'s shapes and values."""
+    words = list(words)
+    short = _SHORT_SECRET_OPTIONS.get(Path(words[0]).name, set()) if words else set()
     cleaned: list[str] = []
     secret_next = False
     for word in words:
         if secret_next and not _is_trivial(word):
             cleaned.append(REDACTED)
+        elif short and word[:2] in short and len(word) > 2 and not word.startswith("--"):
+            cleaned.append(word[:2] + REDACTED)  # mysql -pSECRET
         else:
             cleaned.append(_redact_word(word))
-        secret_next = bool(_SECRET_FLAG.match(word)) or word in _SECRET_SHORT_OPTIONS
+        secret_next = word in short or (word.startswith("-") and "=" not in word and is_secret_flag(word))
     return cleaned
 
 
 def _redact_word(word: str) -> str:
     """One word of a command line (``redact_argv``): the secret in it replaced."""
-    if word[:2] in {"-p", "-P"} and len(word) > 2 and not word.startswith("--"):
-        return word[:2] + REDACTED  # mysql -pSECRET
     name, equals, value = word.partition("=")
     if equals and value and not _is_trivial(value) and (
-            is_credential_name(name.lstrip("-")) or _SECRET_FLAG.match(name)):
+            is_secret_flag(name) if name.startswith("-") else is_credential_name(name)):
         return f"{name}={REDACTED}"
     if _RANDOM_WORD.match(word):
         return REDACTED

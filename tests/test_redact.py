@@ -107,8 +107,30 @@ def test_a_command_lines_secrets_are_redacted_word_by_word(argv, secret):
 
 def test_a_command_line_without_secrets_is_left_as_it_is():
     for argv in (["python", "-c", "import time; time.sleep(3600)", "--use_auth_token", "True"],
-                 ["git", "lfs", "pull", "--include", "*.bin"], ["python", "train.py", "--max-tokens", "512"]):
+                 ["git", "lfs", "pull", "--include", "*.bin"], ["python", "train.py", "--max-tokens", "512"],
+                 ["python3", "-u", "-c", "x", "worker.py"], ["mkdir", "-p", "/data/x"],
+                 ["ssh", "-p", "2222", "h"], ["find", ".", "-print"],
+                 ["python", "train.py", "--author=bob", "--max-tokens=512"]):
         assert redact.redact_argv(argv) == argv
+
+
+@pytest.mark.parametrize("flag", [
+    "--hf-token", "--api-key", "--secret", "--auth-token", "--wandb-key", "--hub_token", "--key", "--keys",
+    "--ssh-key", "--openai-key", "--encryption-key", "--azure-storage-key", "--auth", "--authorization",
+    "--auth-header", "--cookies", "--session", "--session-id", "--secrets", "--ssh-key-passphrase",
+    "--api-key-value", "--token-value", "--a-b-c-d-e-f-g-token", "--password", "--use-auth-token",
+])
+def test_a_flag_that_takes_a_secret_has_its_value_redacted(flag):
+    assert redact.redact_text(f"run {flag} X1234567 --lr 3") == f"run {flag} <redacted> --lr 3"
+    assert redact.redact_text(f"run {flag}='p&ss word'") == f"run {flag}=<redacted>"
+
+
+def test_flags_beside_a_credential_word_that_hold_settings_are_left_alone():
+    text = ("python train.py --max-tokens 512 --tokenizer gpt2 --tokens_per_batch 4096 --author Jane "
+            "--sessions 3 --session-name run1 --key-column text --eos_token_id 2 --use_auth_token True "
+            "--sort_key loss --primary_key id --max_session_len 100 --num_key_value_heads 8 --max_token_len "
+            "2048 --token_budget 100 --keyframe-interval 10 --credits 5 --pad_token_id 0")
+    assert redact.redact_text(text) == text
 
 
 def test_redact_data_walks_nested_json():

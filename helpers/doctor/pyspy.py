@@ -305,11 +305,11 @@ def _commands_of(kids: list[Any], parent: Any) -> list[dict[str, Any]]:
     """The commands of a rank's children (``_command_of``), the newest first, ``COMMANDS_SAID`` at most."""
     import psutil
 
-    def started(child: Any) -> float:
+    def started(child: Any) -> tuple[float, int]:  # its start (10 ms steps), then its pid, later is newer
         try:
-            return child.create_time()
+            return child.create_time(), child.pid
         except psutil.Error:
-            return 0.0
+            return 0.0, child.pid
 
     found = [entry for child in sorted(kids, key=started, reverse=True)
              if (entry := _command_of(child, parent)) is not None]
@@ -330,7 +330,8 @@ def _command_of(child: Any, parent: Any) -> dict[str, Any] | None:
             return None
     except psutil.Error:
         return None
-    text = shlex.join([Path(words[0]).name, *redact.redact_argv(words[1:])])
+    redacted = redact.redact_argv(words)
+    text = shlex.join([Path(redacted[0]).name, *redacted[1:]])
     if _HELPER_PROCESS.search(text):
         return None
     text = re.sub(rf"'([^' ]*{re.escape(redact.REDACTED)}[^' ]*)'", r"\1", text)  # no quotes around it
