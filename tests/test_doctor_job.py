@@ -262,6 +262,31 @@ def test_ranks_that_run_the_same_software_get_no_note():
     assert software.differences_note({0: same, 1: dict(same), 2: {}}) is None  # a rank that posted nothing
     assert "torch 2.13.0 on rank 0, 2.12.1 on rank 1" in software.differences_note(
         {0: {"torch": "2.13.0"}, 1: {"torch": "2.12.1"}})
+    # a node without accelerate differs from one with it; a Python patch release alone does not lead
+    # the fix of a failed job (it cannot make collectives disagree), another minor version does
+    posted = {0: {"accelerate": "1.16.0", "python": "3.11.4"}, 1: {"accelerate": software.NOT_INSTALLED,
+                                                                   "python": "3.11.9"}}
+    assert software.differences(posted) == ["python", "accelerate"]
+    assert "accelerate 1.16.0 on rank 0, not installed on rank 1" in software.differences_note(posted)
+    assert not software.decisive(software.differences(posted), posted)
+    posted[1]["python"] = "3.12.1"
+    assert software.decisive(software.differences(posted), posted)
+
+
+def test_reading_what_the_ranks_run_does_not_wait_for_a_rank_that_posted_nothing():
+    # a rank of an older doctor posts no such key: the leader's read must not wait out the store's
+    # timeout (it would miss its own heartbeats meanwhile)
+    import datetime
+
+    import torch.distributed as dist
+
+    store = dist.TCPStore("127.0.0.1", procs.free_port(), is_master=True, wait_for_workers=False,
+                          timeout=datetime.timedelta(seconds=5))
+    board = Board(dist.PrefixStore("helpers-doctor/test/0/", store), 0)
+    board.join({"n": 1}, {"torch": "2.13.0"})
+    started = time.monotonic()
+    assert board.software([0, 1]) == {0: {"torch": "2.13.0"}}
+    assert time.monotonic() - started < 2.0
 
 
 def test_a_forked_child_stopped_with_sigterm_is_not_its_rank(script, tmp_path, leftovers):

@@ -115,8 +115,12 @@ class Board:
 
     def software(self, ranks: list[int]) -> dict[int, dict[str, Any]]:
         """What each of ``ranks`` (on the roster) posted that it runs, as it joined."""
-        found = {}
-        values = self.store.multi_get([f"software/{rank}" for rank in ranks])
+        keys = [f"software/{rank}" for rank in ranks]
+        if not ranks or not self.store.check(keys):  # a rank that posted none (an older doctor): no wait
+            ranks = [rank for rank, key in zip(ranks, keys, strict=True) if self.store.check([key])]
+            keys = [f"software/{rank}" for rank in ranks]
+        found: dict[int, dict[str, Any]] = {}
+        values = self.store.multi_get(keys) if keys else []
         for rank, value in zip(ranks, values, strict=True):
             try:
                 found[rank] = json.loads(value)

@@ -143,9 +143,9 @@ def run_rank(job: JobEnv, options: JobOptions, command: list[str]) -> NoReturn:
     code, error = run_as_main(command)
     watchdog.ended(_exit_record(code, error))  # before the traceback: SIGTERM may come meanwhile
     said = _first_line(error) if error is not None else ""
-    if error is not None and watchdog.stop_code is not None and is_comm_error(said):  # the stop's echo
+    if error is not None and watchdog.stop_code is not None and _stop_echo(said):
         print(f"doctor: rank {job.rank}'s script then failed as the other ranks left on the doctor's stop "
-              f"({redact.redact_text(said)})", file=sys.stderr)
+              f"({said})", file=sys.stderr)
     elif error is not None:
         traceback.print_exception(error)
     watchdog.wait_for_verdict()
@@ -256,7 +256,10 @@ class Watchdog(threading.Thread):
         super().__init__(name="helpers-doctor", daemon=True)
         self.job, self.options, self.trace_fd, self.parent = job, options, trace_fd, parent
         self.tracer = tracer  # helpers.trace's Tracer of this rank: told to post first calls
-        self.command = command or []  # what the rank runs: script.py args, or -m module args
+        # what the rank runs (script.py args, or -m module args): the script's path made absolute
+        # now, before the script can change the working folder
+        self.command = [os.path.abspath(command[0]), *command[1:]] if command and command[0] != "-m" \
+            else list(command or [])
         self.view = RankView(job.rank)
         self.records: deque = deque(maxlen=KEPT_RECORDS)
         self.host = socket.gethostname()
@@ -402,7 +405,11 @@ class Watchdog(threading.Thread):
                 if time.monotonic() >= end:
                     raise
                 time.sleep(0.5)
-        self.board.join(self.heartbeat(), software.rank_software(self.command))
+        try:
+            posted = software.rank_software(self.command)
+        except Exception:  # noqa: BLE001 - what it runs is a note; watching the rank is the job
+            posted = {}
+        self.board.join(self.heartbeat(), posted)
         self.settled.set()
         if self.tracer is not None:
             self.tracer.on_first = self._post_first_call
@@ -673,12 +680,13 @@ class Watchdog(threading.Thread):
         """A note when the ranks did not run the same script or versions; its cure first when the
         job did not end well."""
         try:
-            note = software.differences_note(self.board.software(roster), _script_name(self.command))
+            posted = self.board.software(roster)
         except Exception:  # noqa: BLE001 - the store failed: the diagnosis goes out without it
             return
+        note = software.differences_note(posted, _script_name(self.command))
         if note:
             diagnosis.notes.insert(0, note)
-            if diagnosis.verdict != "ok":
+            if diagnosis.verdict != "ok" and software.decisive(software.differences(posted), posted):
                 diagnosis.fix = f"{software.SOFTWARE_CURE} {diagnosis.fix}"
 
     def _restart_copy(self) -> Path | None:
@@ -749,14 +757,23 @@ def _main_site() -> dict[str, Any] | None:
 _SOURCE_PREFIX = re.compile(r"^\[[^\]]*\.(?:cc|cpp|h|hpp):\d+\]\s*")
 
 
+_STORE_ECHO = re.compile(r"DistNetworkError|DistStoreError|failed to recv|got signal")  # the store, a signal
+
+
+def _stop_echo(said: str) -> bool:
+    """Is a script's error (``_first_line``) what the doctor's stop causes: a collective or the
+    store failing as the other ranks leave, or the stop's signal?"""
+    return is_comm_error(said) or bool(_STORE_ECHO.search(said))
+
+
 def _first_line(error: BaseException) -> str:
-    """An exception as its type and the first line of its message, cut at 200 characters."""
+    """An exception as its type and the first line of its message, redacted, cut at 200 characters."""
     try:
         lines = str(error).strip().splitlines()
     except Exception:  # noqa: BLE001 - an exception whose __str__ fails: its type alone
         lines = []
     first = _SOURCE_PREFIX.sub("", lines[0]) if lines else ""  # gloo's "[.../pair.cc:553] "
-    text = f"{type(error).__name__}: {first}" if first else type(error).__name__
+    text = redact.redact_text(f"{type(error).__name__}: {first}" if first else type(error).__name__)
     return text if len(text) <= 200 else text[:199] + "…"
 
 

@@ -32,6 +32,7 @@ import itertools
 import json
 import operator
 import os
+import re
 import string
 import sys
 import threading
@@ -314,10 +315,18 @@ def _wrap_init(original: Callable) -> Callable:
     return traced_init
 
 
+_URL_WORLD = re.compile(r"[?&]world_size=(\d{1,9})\b")
+
+
 def _world_asked(args: tuple, kwargs: dict[str, Any]) -> int | None:
-    """The world size ``init_process_group`` waits for: its ``world_size`` argument (the fourth),
-    else the ``WORLD_SIZE`` it reads from the environment; None when neither is a number."""
+    """The world size ``init_process_group`` waits for: its ``world_size`` argument (the fourth), else
+    its ``init_method``'s (``tcp://host:port?world_size=8``), else the ``WORLD_SIZE`` it reads from
+    the environment; None when none is a number."""
     asked = kwargs.get("world_size", args[3] if len(args) > 3 else -1)
+    method = kwargs.get("init_method", args[1] if len(args) > 1 else None)
+    if asked == -1 and isinstance(method, str):
+        found = _URL_WORLD.search(method)
+        asked = int(found[1]) if found else -1
     try:
         size = operator.index(asked)  # an int, a numpy integer (not a float or a string)
     except TypeError:
