@@ -101,27 +101,24 @@ class Board:
 
     def first_calls(self, ranks: list[int]) -> dict[int, dict[str, Any]]:
         """The latest first-call record of each of ``ranks`` (on the roster) that posted one."""
-        if not ranks:
-            return {}
-        found = {}
-        for rank, value in zip(ranks, self.store.multi_get([f"call/{rank}" for rank in ranks]), strict=True):
-            try:
-                record = json.loads(value)
-            except ValueError:
-                continue
-            if isinstance(record, dict):
-                found[rank] = record
-        return found
+        found = self._read_json({rank: f"call/{rank}" for rank in ranks})
+        return {rank: record for rank, record in found.items() if isinstance(record, dict)}
 
     def software(self, ranks: list[int]) -> dict[int, dict[str, Any]]:
         """What each of ``ranks`` (on the roster) posted that it runs, as it joined."""
-        keys = [f"software/{rank}" for rank in ranks]
-        if not ranks or not self.store.check(keys):  # a rank that posted none (an older doctor): no wait
-            ranks = [rank for rank, key in zip(ranks, keys, strict=True) if self.store.check([key])]
-            keys = [f"software/{rank}" for rank in ranks]
-        found: dict[int, dict[str, Any]] = {}
-        values = self.store.multi_get(keys) if keys else []
-        for rank, value in zip(ranks, values, strict=True):
+        keys = {rank: f"software/{rank}" for rank in ranks}
+        if keys and not self.store.check(list(keys.values())):  # a rank that posted none (an older
+            keys = {rank: key for rank, key in keys.items() if self.store.check([key])}  # doctor): no wait
+        found = self._read_json(keys)
+        return {rank: posted for rank, posted in found.items() if isinstance(posted, dict)}
+
+    def _read_json(self, keys: dict[int, str]) -> dict[int, Any]:
+        """The JSON value of each rank's key (all present: a missing key waits out the store's
+        timeout), in one call; a value that is no JSON is left out."""
+        if not keys:
+            return {}
+        found = {}
+        for rank, value in zip(keys, self.store.multi_get(list(keys.values())), strict=True):
             try:
                 found[rank] = json.loads(value)
             except ValueError:
@@ -190,14 +187,7 @@ class Board:
                 meanwhile()
                 next_beat = time.monotonic() + 0.25
             time.sleep(0.05)  # polling the store: a bounded wait for other processes
-        found = {}
-        values = self.store.multi_get([keys[rank] for rank in present]) if present else []
-        for rank, value in zip(present, values, strict=True):
-            try:
-                found[rank] = json.loads(value)
-            except ValueError:
-                continue
-        return found
+        return self._read_json({rank: keys[rank] for rank in present})
 
     # -- the verdict and the stop ---------------------------------------------------------------
 
