@@ -142,7 +142,7 @@ def run_rank(job: JobEnv, options: JobOptions, command: list[str]) -> NoReturn:
     os._exit = watchdog.script_exits  # type: ignore[assignment] - a script's own os._exit says so first
     code, error = run_as_main(command)
     watchdog.ended(_exit_record(code, error))  # before the traceback: SIGTERM may come meanwhile
-    said = _first_line(error) if error is not None else ""
+    said = _said(error) if error is not None else ""
     if error is not None and watchdog.stop_code is not None and _stop_echo(said):
         print(f"doctor: rank {job.rank}'s script then failed as the other ranks left on the doctor's stop "
               f"({said})", file=sys.stderr)
@@ -754,27 +754,24 @@ def _main_site() -> dict[str, Any] | None:
             "where": trace.label(code.co_filename, user.f_lineno)}
 
 
-_SOURCE_PREFIX = re.compile(r"^\[[^\]]*\.(?:cc|cpp|h|hpp):\d+\]\s*")
-
-
 _STORE_ECHO = re.compile(r"DistNetworkError|DistStoreError|failed to recv|got signal")  # the store, a signal
 
 
 def _stop_echo(said: str) -> bool:
-    """Is a script's error (``_first_line``) what the doctor's stop causes: a collective or the
-    store failing as the other ranks leave, or the stop's signal?"""
+    """Is a script's error (``_said``) what the doctor's stop causes: a collective or the store
+    failing as the other ranks leave, or the stop's signal?"""
     return is_comm_error(said) or bool(_STORE_ECHO.search(said))
 
 
-def _first_line(error: BaseException) -> str:
-    """An exception as its type and the first line of its message, redacted, cut at 200 characters."""
+def _said(error: BaseException) -> str:
+    """An exception as its type and its message's first sentence, redacted before it is cut
+    (``wording.short_error``: without gloo's source path)."""
     try:
-        lines = str(error).strip().splitlines()
+        message = str(error).strip()
     except Exception:  # noqa: BLE001 - an exception whose __str__ fails: its type alone
-        lines = []
-    first = _SOURCE_PREFIX.sub("", lines[0]) if lines else ""  # gloo's "[.../pair.cc:553] "
-    text = redact.redact_text(f"{type(error).__name__}: {first}" if first else type(error).__name__)
-    return text if len(text) <= 200 else text[:199] + "…"
+        message = ""
+    text = f"{type(error).__name__}: {message}" if message else type(error).__name__
+    return wording.short_error(redact.redact_text(text))
 
 
 def _connection_lost(error: Exception) -> bool:
