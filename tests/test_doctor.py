@@ -362,6 +362,38 @@ def test_all_to_all_split_sizes_that_do_not_pair_up_name_the_rank_that_passed_th
     leftovers.check()
 
 
+def test_two_threads_are_read_from_a_dead_ranks_own_records_and_its_first_fatal_signal_counts():
+    """CI, torch 2.13: gloo aborted rank 0 in its metrics thread's all_reduce; a second fault as
+    faulthandler dumped its stacks cut the main thread's short and made its exit status SIGSEGV.
+    Its records name the thread of each call; its Flight Recorder died with it."""
+    from helpers.doctor.records import RankView
+
+    views = {rank: RankView(rank) for rank in (0, 1)}
+    calls = {0: [(1, 15, "977", 1.0), (2, 21, None, 1.1)], 1: [(1, 21, None, 1.0), (2, 15, "977", 1.05)]}
+    for rank, ranks_calls in calls.items():
+        for seq, line, thread, start in ranks_calls:
+            views[rank].apply({"ev": "op", "id": seq, "op": "all_reduce", "pg": "0", "seq": seq, "t": start,
+                               "shapes": [[1 if line == 15 else 8]], "dtypes": ["float32"],
+                               "where": f"train.py:{line}", "file": "train.py", "line": line,
+                               **({"thread": thread} if thread else {})})
+    views[0].stack_text = "\n".join([
+        "Fatal Python error: Aborted", "", "Thread 0x00007f3d7d4246c0 (most recent call first):",
+        '  File "/x/torch/distributed/distributed_c10d.py", line 3252 in all_reduce',
+        '  File "train.py", line 15 in metrics', "", "Thread 0x00007f3da23d8b80 (most recent call first):",
+        '  File "/x/helpers/trace/tracer.py"Fatal Python error: Segmentation fault', ""])
+    views[0].ended, views[0].exit_code = True, -signal.SIGSEGV
+    views[1].ended, views[1].exit_code = True, 0
+    views[1].apply({"ev": "exit", "status": "finished", "t": 2.0})
+    found = doctor.diagnose(views, 2, "failure", 0.1)
+    assert found.kind == "collective-mismatch", found.text()
+    assert "Rank 0 was killed by SIGABRT inside all_reduce" in found.summary, found.summary
+    assert found.per_rank[0].exit_code == -signal.SIGSEGV  # the exit status as it was
+    assert ("Rank 0 issued collectives on the default group from 2 threads: all_reduce at train.py:21 "
+            "(the main thread) and all_reduce at train.py:15 (another thread)") in found.summary, \
+        found.summary
+    assert found.fix.startswith(wording.THREADS_CURE), found.fix
+
+
 _GLOO_SPLIT_CHECK = ("RuntimeError: [enforce fail at /__w/pytorch/pytorch/third_party/gloo/gloo/"
                      "alltoallv.cc:138] inLengthPerRank[myRank] == outLengthPerRank[myRank]. ")
 
@@ -1463,10 +1495,13 @@ def test_collectives_from_two_threads_in_a_different_order_on_each_rank_are_name
     main, metrics = f"{HERE}:{_line('main of the threads')}", f"{HERE}:{_line('metrics of a thread')}"
     assert (f"issued collectives on the default group from 2 threads: all_reduce at {main} (the main "
             f"thread) and all_reduce at {metrics} (another thread)") in found.summary, found.summary
-    # the rank that was not aborted is named from its Flight Recorder, each entry with its thread
-    survivors = [rank for rank in (0, 1) if found.per_rank[rank].exit_code != -signal.SIGABRT]
+    # each rank that issued both calls is named: from its Flight Recorder, or, aborted, from its dying
+    # dump or its own records (gloo may abort rank 0 before its main thread issues its call)
+    both = [rank for rank, view in found.evidence.views.items()
+            if len({op.thread for op in view.python_ops() if op.op == "all_reduce"}) == 2]
+    assert 1 in both, found.text()  # its main thread's call came first: it issues both, and returns
     assert all(f"Rank {rank} issued" in found.summary or f"so did rank {rank}" in found.summary
-               for rank in survivors), found.summary
+               for rank in both), found.text()
     assert found.fix.startswith(wording.THREADS_CURE)
     leftovers.check()
 

@@ -248,6 +248,34 @@ def test_a_loop_written_in_one_batch_keeps_each_calls_shapes_and_mode(tmp_path):
     assert len({r["id"] for r in records if r["ev"] == "op"}) == 3 * len(calls)
 
 
+def test_a_call_from_another_thread_names_its_thread_and_the_main_threads_calls_do_not(tmp_path):
+    """The doctor tells two threads' calls on one group apart from the records alone (a rank that
+    died leaves no Flight Recorder)."""
+    import torch.distributed as dist
+
+    from helpers.trace.tracer import Tracer, _Plan
+
+    tracer = Tracer(tmp_path, 0)  # no helper thread: the queue is written when flushed
+    plan = _Plan("barrier", dist.barrier)
+    idents = []
+
+    def metrics():
+        idents.append(threading.get_ident())
+        _call_traced(tracer, "barrier", plan)
+
+    try:
+        _call_traced(tracer, "barrier", plan)
+        thread = threading.Thread(target=metrics)
+        thread.start()
+        thread.join()
+        _call_traced(tracer, "barrier", plan)
+        tracer.flush()
+        records = [json.loads(line) for line in (tmp_path / "trace-0.jsonl").read_text().splitlines()]
+    finally:
+        os.close(tracer.fd)
+    assert [r.get("thread") for r in records if r["ev"] == "op"] == [None, str(idents[0]), None]
+
+
 def _exits_at_once():
     import torch.distributed as dist
 

@@ -375,6 +375,10 @@ def _position(view: RankView) -> Position:
     else:
         known = view.exit_code is not None
         pos.detail = describe_exit(view.exit_code) if known else "ended (no exit recorded)"
+        pos.fatal = _fatal_signal(view)
+        if pos.fatal is not None and known and pos.fatal != -view.exit_code:
+            pos.detail = (f"{describe_exit(-pos.fatal)} (its exit status: {describe_exit(view.exit_code)}, a "
+                          "second fault as it dumped its stack)")
         if exit_record.get("status") == "vanished":  # gone, never said how (the doctor in a job)
             pos.detail = ("killed: no exception and no exit code, e.g. SIGKILL; a fatal signal such as "
                           "gloo's abort prints 'Fatal Python error' and where it was in its log")
@@ -387,6 +391,24 @@ def _position(view: RankView) -> Position:
         if pos.op is None and last is not None:
             pos.where, pos.file, pos.line = last.where, last.file, last.line
     return pos
+
+
+# faulthandler's header at each fatal signal it handles (Modules/faulthandler.c)
+_FATAL_NAMES = {"Segmentation fault": signal.SIGSEGV, "Aborted": signal.SIGABRT, "Bus error": signal.SIGBUS,
+                "Floating-point exception": signal.SIGFPE, "Illegal instruction": signal.SIGILL}
+
+
+def _fatal_signal(view: RankView) -> int | None:
+    """The fatal signal a rank died of: the first that faulthandler named in its log ('Fatal Python
+    error: Aborted'; gloo's abort can fault again as the stacks are dumped, and the process then
+    ends by SIGSEGV), else its exit status's, else None."""
+    fatal = _FATAL.search(view.stack_text or "")
+    if fatal is not None:
+        name = view.stack_text[fatal.end():].split("\n", 1)[0].strip()
+        if name in _FATAL_NAMES:
+            return int(_FATAL_NAMES[name])
+    code = view.exit_code
+    return -code if code is not None and code < 0 else None
 
 
 def _dying_call(view: RankView) -> Op | None:
@@ -413,6 +435,9 @@ def _dying_calls(view: RankView) -> dict[str, tuple[Op, bool]]:
     return calls
 
 
+_ThreadCall = tuple[str, Op, bool]  # a call on a group: its thread's id, the call, whether it is the main one
+
+
 def _threads_on_one_group(view: RankView) -> dict[str, tuple[Op, bool]] | None:
     """Two or more of the rank's threads issuing collectives on one process group where it failed:
     {a thread's id: (its latest call there, whether it is the main thread)}; else None.
@@ -420,9 +445,11 @@ def _threads_on_one_group(view: RankView) -> dict[str, tuple[Op, bool]] | None:
     Either the stack faulthandler dumped as the rank died shows two threads inside collectives on
     one group (each line's group as its records say), or its Flight Recorder (each entry names its
     thread) shows the group's last two calls from two threads, in flight at once, each entry
-    matched with the Python call of its number. C++'s own calls (DDP's, from autograd's threads)
-    have no Python call and are left out, as are numbers two Python calls took (read as two threads
-    raced) and ranks that used p2p ops (whose numbers drift from the Python calls').
+    matched with the Python call of its number, or its own records (each names a thread other than
+    the main one) show the group's last two blocking calls so (a rank that died leaves no Flight
+    Recorder, and its dying dump may be cut short by a second fault). C++'s own calls (DDP's, from
+    autograd's threads) have no Python call and are left out, as are numbers two Python calls took
+    (read as two threads raced) and ranks that used p2p ops (whose numbers drift from the Python calls').
     """
     python = _collectives(view)
     group_of = {op.where: op.pg for op in python if op.where}
@@ -435,11 +462,24 @@ def _threads_on_one_group(view: RankView) -> dict[str, tuple[Op, bool]] | None:
         return found
     taken = collections.Counter((op.pg, op.seq) for op in python if op.seq is not None)
     numbered = {(op.pg, op.seq): op for op in python if op.seq is not None and taken[(op.pg, op.seq)] == 1}
-    calls: dict[str, list[tuple[str, Op, bool]]] = {}  # group: (thread, call, main), oldest first
+    calls: dict[str, list[_ThreadCall]] = {}  # group: (thread, call, main), oldest first
     for entry in (view.state or {}).get("fr") or []:
         op = numbered.get((str(entry.get("pg")), entry.get("collective_seq_id")))
         if entry.get("thread") and op is not None and not entry.get("is_p2p"):
             calls.setdefault(op.pg, []).append((entry["thread"], op, bool(entry.get("main"))))
+    found = _last_two_from_two_threads(calls)
+    if found is not None or not any(op.thread for op in python):  # no thread named: an older tracer's
+        return found
+    own: dict[str, list[_ThreadCall]] = {}
+    for op in python:
+        if op.seq is not None and not op.async_:
+            own.setdefault(op.pg, []).append((op.thread or "main", op, op.thread is None))
+    return _last_two_from_two_threads(own)
+
+
+def _last_two_from_two_threads(calls: dict[str, list[_ThreadCall]]) -> dict[str, tuple[Op, bool]] | None:
+    """Of each group's calls (thread, call, whether it is the main thread), oldest first: the
+    threads and their calls when the last two came from two threads, in flight at once."""
     for group in calls.values():
         if len(group) > 1 and group[-1][0] != group[-2][0] and _overlap(group[-2][1], group[-1][1]):
             return {thread: (op, main) for thread, op, main in group}  # both in flight as it failed
@@ -1183,7 +1223,7 @@ def _same_call_as(dead: Position, other: Position) -> bool:
 
 def _aborted_inside(pos: Position) -> bool:
     """Was the rank killed by SIGABRT inside a collective (its open record, or its dying stack)?"""
-    return (pos.state == "exited" and pos.exit_code == -signal.SIGABRT and pos.op is not None
+    return (pos.state == "exited" and pos.fatal == signal.SIGABRT and pos.op is not None
             and not pos.victim)
 
 

@@ -51,6 +51,7 @@ class Op:
     pg_ranks: list[int] | None = None  # the group's global ranks (a subgroup's; None: the world or unknown)
     pg_desc: str | None = None  # torch's description of a subgroup ('mesh_dp': a DeviceMesh dimension's)
     world: int | None = None  # init_process_group's: the world size it waits for (argument or WORLD_SIZE)
+    thread: str | None = None  # the id of the thread that called it, when not the main thread
 
     def signature(self) -> tuple:
         """What must agree across ranks at one sequence number: the op, then shapes and dtypes."""
@@ -130,7 +131,7 @@ class RankView:
                 async_=bool(event.get("async")), peer=_rank_or_none(event.get("peer")),
                 root=_rank_or_none(event.get("root")), splits=_splits_or_none(event.get("splits")),
                 pg_ranks=_ranks_or_none(event.get("pg_ranks")), pg_desc=_text_or_none(event.get("pg_desc")),
-                world=_rank_or_none(event.get("world")))
+                world=_rank_or_none(event.get("world")), thread=_text_or_none(event.get("thread")))
         if len(self.order) == self.order.maxlen:  # forgotten, open or not (an isend never waited for)
             self.ops.pop(self.order[0], None)
             self.open.pop(self.order[0], None)
@@ -266,6 +267,8 @@ class Position:
     detail: str = ""
     exit_code: int | None = None
     abnormal: bool = False  # ended by a signal, a non-zero exit or an exception
+    fatal: int | None = None  # the fatal signal it died of (faulthandler's first, where a second fault
+    #                           as it dumped its stack gave its exit status another signal)
     victim: bool = False  # raised inside a collective (a consequence, not a cause)
     timed_out: bool = False  # its wait was ended from outside: torch's timeout, or a signal as it waited
     callers: list[tuple[str, int, str]] = field(default_factory=list)  # the user's frames it was called

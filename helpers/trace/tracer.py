@@ -54,11 +54,12 @@ QUEUE_MAX = 4096  # queued records past which the calling thread writes them its
 UNWAITED_KEPT = 256  # async calls without a future polled at once (more stay open in the records)
 WRITE_EVERY = 32  # records formatted per write while the queue is written out
 _OP, _END = 0, 1  # queued: an op's list [_OP, id, plan, group, seq, blocking, tensors, peer, code,
-#                   offset, t, ended, seq_end, on_file] (offset: the call's instruction in the code,
-#                   f_lasti, its line looked up when the record is written; ended: its end time, once
-#                   it has returned; on_file: its start has left the queue), an end tuple
-#                   (_END, id, t, seq_end), or a record dict
-_ENDED, _SEQ_END, _ON_FILE = 11, 12, 13  # where an op's list holds its end, and whether it is on file
+#                   offset, t, ended, seq_end, on_file, thread] (offset: the call's instruction in the
+#                   code, f_lasti, its line looked up when the record is written; ended: its end time,
+#                   once it has returned; on_file: its start has left the queue; thread: the calling
+#                   thread's ``threading.get_ident()``), an end tuple (_END, id, t, seq_end), or a record dict
+_ENDED, _SEQ_END, _ON_FILE, _THREAD = 11, 12, 13, 14  # where an op's list holds its end, whether it is
+#                                                   on file, and its thread
 _SECONDS = "%.6f"  # a record's times: printf's formatting takes half the time of repr() or format()
 _NO_SEQ_END = object()  # an end without "seq_end" (only calls that issue several collectives have one)
 
@@ -378,6 +379,8 @@ def _item_texts(item: list) -> tuple[str, str]:
 def _op_line(item: list, head: str, tail: str) -> str:
     """An op's line from its op texts (``_op_texts``): its id, sequence number, times and end."""
     op_id, seq, t, ended, seq_end = item[1], item[4], item[10], item[_ENDED], item[_SEQ_END]
+    if item[_THREAD] != threading.main_thread().ident:  # another thread's call (the main thread's: no key)
+        tail += f',"thread":"{item[_THREAD]}"'
     if ended is not None:
         tail += f',"te":{_SECONDS % ended},"ok":true'
         if seq_end is not _NO_SEQ_END:
@@ -513,7 +516,7 @@ def _wrap(name: str, original: Callable, plan: _Plan) -> Callable:
     source = "\n" * (_TRACED_LINE - 1) + _traced_text(plan.argument_texts())
     exec(compile(source, __file__, "exec"), globals(), namespace)  # noqa: S102 - the text above
     traced = namespace["make"](original, plan, sys._getframe, time.time, _default_world(), _sequence_reader(),
-                               _inner_codes)
+                               _inner_codes, threading.get_ident)
     functools.update_wrapper(traced, original)
     traced.__defaults__ = plan.defaults
     traced._helpers_traced = True  # type: ignore[attr-defined]
@@ -528,7 +531,7 @@ def _wrap(name: str, original: Callable, plan: _Plan) -> Callable:
 # cold cache line (bench/doctor_bench.py's 'wrapper us/call'). Its frames show these lines of
 # this file.
 _TRACED_LINE = sys._getframe().f_lineno + 1  # the first line of the text below, in this file
-_TRACED_SOURCE = """def make(original, plan, caller, now, world, sequence, inner):
+_TRACED_SOURCE = """def make(original, plan, caller, now, world, sequence, inner, thread):
     seen, split_sizes = plan.seen, plan.split_sizes
 
     def traced($params):
@@ -558,7 +561,7 @@ _TRACED_SOURCE = """def make(original, plan, caller, now, world, sequence, inner
         code, offset = (frame.f_code, frame.f_lasti) if frame is not None else (None, 0)
         queue = tracer.queue
         item = [$OP, op_id, plan, group, seq, blocking, tensors, peer, code, offset, now(), None,
-                _NO_SEQ_END, False]
+                _NO_SEQ_END, False, thread()]
         queue.append(item)
         nbytes = getattr(tensors, "nbytes", None)
         last = plan.last
