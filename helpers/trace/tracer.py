@@ -379,7 +379,7 @@ def _item_texts(item: list) -> tuple[str, str]:
 def _op_line(item: list, head: str, tail: str) -> str:
     """An op's line from its op texts (``_op_texts``): its id, sequence number, times and end."""
     op_id, seq, t, ended, seq_end = item[1], item[4], item[10], item[_ENDED], item[_SEQ_END]
-    if item[_THREAD] != threading.main_thread().ident:  # another thread's call (the main thread's: no key)
+    if item[_THREAD] != _main_thread:  # another thread's call (the main thread's: no key)
         tail += f',"thread":"{item[_THREAD]}"'
     if ended is not None:
         tail += f',"te":{_SECONDS % ended},"ok":true'
@@ -440,7 +440,12 @@ def _shapes_key(value: Any) -> Any:
 current: Tracer | None = None  # the tracer of this process, once installed
 
 
+_main_thread = threading.main_thread().ident  # the main thread's id: its calls' records name no thread
+
+
 def _forget_in_child() -> None:
+    global _main_thread
+    _main_thread = threading.get_ident()  # the thread that forked is the child's main thread
     if current is not None:
         current.forget_queue()
 
