@@ -286,6 +286,50 @@ def test_from_fr_names_the_missing_rank_and_the_line(tmp_path):
     assert done.returncode == 3 and "collective #4" in done.stderr, done.stderr
 
 
+def _nccl_entry(seq: int, size: int, thread: str, line: int, in_thread: bool) -> dict:
+    """One entry as torch 2.13's Flight Recorder dumps it under NCCL after its watchdog's timeout:
+    still in flight, issued by Python thread ``thread`` (``threading.get_ident()``) from train.py."""
+    frames = [{"name": "all_reduce", "filename": "/site-packages/torch/distributed/distributed_c10d.py",
+               "line": 3245}, {"name": "metrics" if in_thread else "<module>", "filename": "/job/train.py",
+                               "line": line}]
+    if in_thread:  # how a thread's stack ends (threading.py's run, _bootstrap_inner, _bootstrap)
+        frames += [{"name": name, "filename": "/usr/lib/python3.11/threading.py", "line": 1000}
+                   for name in ("run", "_bootstrap_inner", "_bootstrap")]
+    return {"record_id": seq - 1, "pg_id": 0, "process_group": ("0", "default_pg"), "thread_name": "python",
+            "thread_id": thread, "collective_seq_id": seq, "p2p_seq_id": 0, "op_id": seq,
+            "profiling_name": "nccl:all_reduce", "time_created_ns": 1_000_000_000 * seq,
+            "input_sizes": [[size]], "input_dtypes": ["Float"], "output_sizes": [[size]], "state": "started",
+            "retired": False, "timeout_ms": 600000, "is_p2p": False, "frames": frames}
+
+
+def test_from_fr_names_collectives_of_two_threads_in_flight_on_one_group(tmp_path):
+    # NCCL cannot run here: dumps shaped as its watchdog writes them (fields as a gloo dump of this
+    # torch has them, tests/test_attach.py's real ones). Each rank's metrics thread and main thread
+    # issued all_reduces on the default group in a different order; NCCL paired 1 float with 8 and hung
+    import pickle
+
+    order = {0: [(1, "977", 13, True), (8, "140", 19, False)],
+             1: [(8, "150", 19, False), (1, "988", 13, True)]}
+    for rank, calls in order.items():
+        entries = [_nccl_entry(seq, size, thread, line, in_thread)
+                   for seq, (size, thread, line, in_thread) in enumerate(calls, 1)]
+        dump = {"version": "2.10", "entries": entries}
+        (tmp_path / f"nccl_trace_rank_{rank}").write_bytes(pickle.dumps(dump))
+    found = doctor.diagnose_dumps(tmp_path)
+    assert found.kind == "collective-mismatch", found.text()
+    assert ("Rank 0 issued collectives on the default group from 2 threads: all_reduce at train.py:19 (the "
+            "main thread) and all_reduce at train.py:13 (another thread); so did rank 1") in found.summary, \
+        found.summary
+    # the same calls, the thread's over before the main thread's began (a thread that was joined):
+    # no evidence that two threads raced
+    for rank in order:
+        path = tmp_path / f"nccl_trace_rank_{rank}"
+        dump = pickle.loads(path.read_bytes())
+        dump["entries"][0].update(retired=True, state="completed", time_discovered_completed_ns=1_500_000_000)
+        path.write_bytes(pickle.dumps(dump))
+    assert "threads" not in doctor.diagnose_dumps(tmp_path).summary
+
+
 def test_from_fr_refuses_a_folder_without_dumps(tmp_path):
     (tmp_path / "notes.txt").write_text("no pickle here")
     done = subprocess.run([sys.executable, "-m", "helpers", "doctor", "--from-fr", str(tmp_path)],

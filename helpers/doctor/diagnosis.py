@@ -445,7 +445,8 @@ def _threads_on_one_group(view: RankView) -> dict[str, tuple[Op, bool]] | None:
     Either the stack faulthandler dumped as the rank died shows two threads inside collectives on
     one group (each line's group as its records say), or its Flight Recorder (each entry names its
     thread) shows the group's last two calls from two threads, in flight at once, each entry
-    matched with the Python call of its number, or its own records (each names a thread other than
+    matched with the Python call of its number (with dumps alone, ``--from-fr``: each entry with the
+    user's line from its own frames), or its own records (each names a thread other than
     the main one) show the group's last two blocking calls so (a rank that died leaves no Flight
     Recorder, and its dying dump may be cut short by a second fault). C++'s own calls (DDP's, from
     autograd's threads) have no Python call and are left out, as are numbers two Python calls took
@@ -463,8 +464,12 @@ def _threads_on_one_group(view: RankView) -> dict[str, tuple[Op, bool]] | None:
     taken = collections.Counter((op.pg, op.seq) for op in python if op.seq is not None)
     numbered = {(op.pg, op.seq): op for op in python if op.seq is not None and taken[(op.pg, op.seq)] == 1}
     calls: dict[str, list[_ThreadCall]] = {}  # group: (thread, call, main), oldest first
+    dumps_alone = all(op.source == "flight-recorder" for op in python)  # --from-fr: no Python records
     for entry in (view.state or {}).get("fr") or []:
         op = numbered.get((str(entry.get("pg")), entry.get("collective_seq_id")))
+        if op is None and dumps_alone and entry.get("site"):  # each entry's own frames
+            op = fr_op(entry)
+            op.end = _fr_end(entry, op)
         if entry.get("thread") and op is not None and not entry.get("is_p2p"):
             calls.setdefault(op.pg, []).append((entry["thread"], op, bool(entry.get("main"))))
     found = _last_two_from_two_threads(calls)
@@ -475,6 +480,15 @@ def _threads_on_one_group(view: RankView) -> dict[str, tuple[Op, bool]] | None:
         if op.seq is not None and not op.async_:
             own.setdefault(op.pg, []).append((op.thread or "main", op, op.thread is None))
     return _last_two_from_two_threads(own)
+
+
+def _fr_end(entry: dict, op: Op) -> float | None:
+    """When a dumped call ended: None while the dump shows it in flight; NCCL's completion time where
+    timing was on; else its start (over, whenever it ended: never read as overlapping a later call)."""
+    if entry.get("in_flight"):
+        return None
+    completed = entry.get("time_discovered_completed_ns")
+    return completed / 1e9 if isinstance(completed, int) and completed > 0 else op.start
 
 
 def _last_two_from_two_threads(calls: dict[str, list[_ThreadCall]]) -> dict[str, tuple[Op, bool]] | None:

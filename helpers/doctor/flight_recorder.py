@@ -76,16 +76,26 @@ def _site(frames: list[dict[str, Any]]) -> dict[str, Any] | None:
 
 
 def _entries(dump: dict[str, Any]) -> list[dict[str, Any]]:
-    """The dump's collectives, trimmed to what the doctor reads, the user's line attached."""
+    """The dump's collectives, trimmed to what the doctor reads, the user's line attached, and the
+    thread that issued each where torch recorded it (``thread_id``: Python's ``threading.get_ident()``)
+    with whether it is the main thread (its frames do not start in threading's ``_bootstrap``) and
+    whether the dump shows it in flight (not retired)."""
     kept = []
     for entry in dump["entries"]:
         if entry.get("is_p2p"):
             continue
         group = entry.get("process_group") or ["0"]
-        kept.append({**{k: entry.get(k) for k in ("record_id", "collective_seq_id", "profiling_name",
-                                                   "input_sizes", "input_dtypes", "retired",
-                                                   "time_created_ns", "is_p2p")},
-                     "pg": str(group[0]), "site": _site(entry.get("frames") or [])})
+        frames = entry.get("frames") or []
+        item = {**{k: entry.get(k) for k in ("record_id", "collective_seq_id", "profiling_name",
+                                              "input_sizes", "input_dtypes", "retired",
+                                              "time_created_ns", "time_discovered_completed_ns",
+                                              "is_p2p")},
+                "pg": str(group[0]), "site": _site(frames), "in_flight": not entry.get("retired")}
+        if entry.get("thread_id") is not None and frames:
+            item["thread"] = str(entry["thread_id"])
+            item["main"] = (frames[-1].get("name"), Path(frames[-1].get("filename") or "").name) != (
+                "_bootstrap", "threading.py")
+        kept.append(item)
     return kept
 
 
