@@ -388,6 +388,8 @@ def test_two_threads_are_read_from_a_dead_ranks_own_records_and_its_first_fatal_
     assert found.kind == "collective-mismatch", found.text()
     assert "Rank 0 was killed by SIGABRT inside all_reduce" in found.summary, found.summary
     assert found.per_rank[0].exit_code == -signal.SIGSEGV  # the exit status as it was
+    assert (found.evidence.positions[0].detail
+            == "killed by SIGABRT (then SIGSEGV, a second fault as its stack was dumped)")
     assert ("Rank 0 issued collectives on the default group from 2 threads: all_reduce at train.py:21 "
             "(the main thread) and all_reduce at train.py:15 (another thread)") in found.summary, \
         found.summary

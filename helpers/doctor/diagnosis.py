@@ -377,8 +377,8 @@ def _position(view: RankView) -> Position:
         pos.detail = describe_exit(view.exit_code) if known else "ended (no exit recorded)"
         pos.fatal = _fatal_signal(view)
         if pos.fatal is not None and known and pos.fatal != -view.exit_code:
-            pos.detail = (f"{describe_exit(-pos.fatal)} (its exit status: {describe_exit(view.exit_code)}, a "
-                          "second fault as it dumped its stack)")
+            then = describe_exit(view.exit_code).removeprefix("killed by ")
+            pos.detail = f"{describe_exit(-pos.fatal)} (then {then}, a second fault as its stack was dumped)"
         if exit_record.get("status") == "vanished":  # gone, never said how (the doctor in a job)
             pos.detail = ("killed: no exception and no exit code, e.g. SIGKILL; a fatal signal such as "
                           "gloo's abort prints 'Fatal Python error' and where it was in its log")
