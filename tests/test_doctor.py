@@ -670,6 +670,34 @@ def test_a_subgroup_collective_one_member_skips_is_named_though_every_rank_waits
     leftovers.check()
 
 
+def _subgroup_branch_on_each_ranks_own_loss():
+    import torch
+    import torch.distributed as dist
+
+    group, _ = dist.new_subgroups(group_size=2)
+    x = torch.full((4,), float(dist.get_rank() * 10))
+    for _step in range(3):
+        local_loss = x.sum().item()  # 80 on rank 2, 120 on rank 3
+        if local_loss < 100:
+            dist.all_reduce(x, group=group)  # line: own loss
+        dist.barrier(group=group)  # line: subgroup barrier
+
+
+def test_a_subgroups_calls_that_differ_name_the_subgroup_and_a_condition_on_a_loss_of_its_own_name(leftovers):
+    # ranks 0 and 1 agree (both below 100) and finish; in the subgroup of ranks 2 and 3, rank 2 takes
+    # the branch on its own loss (named local_loss, not loss) and rank 3 waits in the barrier
+    found = _hung_run(_subgroup_branch_on_each_ranks_own_loss, num_processes=4)
+    assert (found.kind, found.ranks) == ("collective-mismatch", [2]), found.text()
+    assert found.summary.startswith("Ranks issued different collectives as collective #1 of group "), \
+        found.summary
+    assert (f"(ranks 2 and 3): rank 2 in all_reduce at {HERE}:{_line('own loss')}; rank 3 in barrier at "
+            f"{HERE}:{_line('subgroup barrier')}.") in found.summary, found.summary
+    assert (f"under 'if local_loss < 100:' at {HERE}:{_line('own loss') - 1}, {wording.DECIDES_ITSELF}"
+            in found.summary), found.summary
+    assert found.fix.startswith(wording.CONDITION_CURE), found.fix
+    leftovers.check()
+
+
 def _data_parallel_sync_skipped_on_one_replica():
     import torch
     import torch.distributed as dist
@@ -2383,6 +2411,15 @@ def _main_only_barrier():
     if dist.get_rank() == 0:
         dist.barrier()  # line: main only
     dist.all_reduce(__import__("torch").ones(1))
+
+
+def test_a_value_each_rank_computes_is_read_in_names_made_of_parts_not_in_settings():
+    for test in ("local_loss < 100", "val_loss_mean > best", "train_acc > 0.9", "f1_score > x",
+                 "loss.item() > 3"):
+        assert wording._per_rank_value(test), test
+    for test in ("step % log_loss_every == 0", "step % eval_loss_steps == 0", "accelerator.is_main_process",
+                 "glossary", "'loss' in logs"):
+        assert not wording._per_rank_value(test), test
 
 
 def test_rank_conditional_lines_are_found_in_the_source():

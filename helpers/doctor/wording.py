@@ -625,8 +625,17 @@ def divergence_summary(kind: str, key: tuple[str, int], present: dict[int, Op], 
     for rank, op in sorted(present.items()):
         where, extra = _where_now(op, positions.get(rank), seq)
         said.append((rank, f"in {_op_name(op)}{' at ' + where if where else ''}{extra}"))
-    return (f"Ranks issued different collectives as collective #{seq}: " + "; ".join(_together(said)) + "."
-            + _different_path(present, culprits, positions))
+    return (f"Ranks issued different collectives as collective #{seq}{_of_subgroup(present)}: "
+            + "; ".join(_together(said)) + "." + _different_path(present, culprits, positions))
+
+
+def _of_subgroup(present: dict[int, Op]) -> str:
+    """' of group 2 (ranks 2 and 3)' when the ranks' calls are a subgroup's; '' for the default group."""
+    op = next(iter(present.values()), None)
+    if op is None or op.pg == WORLD_PG:
+        return ""
+    ranks = next((o.pg_ranks for o in present.values() if o.pg_ranks), None)
+    return " of " + group_text(op, {op.pg: ranks} if ranks else {})
 
 
 def _together(said: list[tuple[int, str]]) -> list[str]:
@@ -765,13 +774,19 @@ def loop_exits_text(file: str, header: int, call_line: int, after: int | None = 
 
 _PER_RANK = re.compile(r"\b(loss|nan|isnan|isinf|isfinite|time|perf_counter|monotonic|random|rand|"
                        r"randint|batch|grad|norm)\b", re.IGNORECASE)
+# a name with such a word as one of its parts: local_loss, val_loss_mean, train_acc, f1_score (not a
+# setting's: log_loss_every, eval_loss_steps)
+_PER_RANK_PART = re.compile(r"\b(?:\w+_)?(loss|losses|acc|accuracy|score)(?:_\w+)?\b", re.IGNORECASE)
+_SETTING = re.compile(r"_(every|steps|interval|freq|frequency)$", re.IGNORECASE)
 _STRING = re.compile(r"""(['"]).*?\1""")  # a literal in a test: its words are not values
 
 
 def _per_rank_value(test: str) -> bool:
     """Does a condition's text read a value each rank computes for itself (its loss, the clock, a
     random draw, its batch)?"""
-    return bool(_PER_RANK.search(_STRING.sub("", test)))
+    test = _STRING.sub("", test)
+    return bool(_PER_RANK.search(test)) or any(not _SETTING.search(found.group(0))
+                                                for found in _PER_RANK_PART.finditer(test))
 
 
 def _telling(keyword: str, _line: int, test: str) -> bool:
