@@ -861,6 +861,54 @@ def test_a_rank_whose_loop_ran_out_first_is_said_to_have_left_it(leftovers):
     leftovers.check()
 
 
+def _main_process_call_after_each_epochs_batches():
+    import torch
+    import torch.distributed as dist
+
+    for _epoch in range(3):
+        for _batch in range(2):
+            dist.all_reduce(torch.ones(4))  # line: epoch batches
+        if dist.get_rank() == 0:
+            dist.barrier()  # line: main process checkpoint
+
+
+def test_a_main_process_call_after_the_batches_inside_an_epoch_loop_is_no_loop_that_ran_out(leftovers):
+    # rank 0's barrier after the batches meets rank 1's all_reduce of the next epoch: rank 1 went
+    # round the epoch loop past a call of rank 0's own; no loop ran out (unseen script: save_state()
+    # under is_main_process with automatic_checkpoint_naming, whose wait_for_everyone this is)
+    found = _hung_run(_main_process_call_after_each_epochs_batches)
+    assert (found.kind, found.ranks) == ("collective-mismatch", [0]), found.text()
+    assert "ran out first" not in found.summary, found.summary
+    assert (f"under 'if dist.get_rank() == 0:' at {HERE}:{_line('main process checkpoint') - 1}"
+            in found.summary), found.summary
+    assert found.fix.startswith("Make every rank issue the same collectives in the same order"), found.fix
+    leftovers.check()
+
+
+def _early_stop_on_each_ranks_own_patience():
+    import torch
+    import torch.distributed as dist
+
+    bad, patience = 0, 2 - dist.get_rank()  # rank 1 runs out of patience first
+    for _epoch in range(5):  # line: epochs
+        for _batch in range(2):
+            dist.all_reduce(torch.ones(4))  # line: patience batches
+        bad += 1
+        if bad >= patience:
+            break  # line: patience break
+    dist.barrier()  # line: after the epochs
+
+
+def test_a_break_that_leaves_the_epoch_loop_names_that_loop_and_the_break(leftovers):
+    found = _hung_run(_early_stop_on_each_ranks_own_patience)
+    assert (found.kind, found.ranks) == ("collective-mismatch", [1]), found.text()
+    assert (f"Rank 1 has left the loop at {HERE}:{_line('epochs')} that the others are still in"
+            in found.summary), found.summary
+    assert (f"the break at {HERE}:{_line('patience break')} (if bad >= patience) ends the loop"
+            in found.summary), found.summary
+    leftovers.check()
+
+
 def test_ranks_whose_loops_ran_out_first_are_named_when_they_are_the_many(leftovers):
     # two of three ranks are past the loop: the odd one out (the culprit) is the rank still in it
     found = _uneven_hang([3, 2, 2])

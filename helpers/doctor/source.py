@@ -274,14 +274,36 @@ def enclosing_function(filename: str | None, line: int | None) -> int | None:
 
 
 def loop_left(filename: str | None, inside: int | None, after: int | None) -> int | None:
-    """The header line of the innermost loop around line ``inside`` when line ``after`` lies past
-    that loop's end in the same function (None otherwise): a rank at ``after`` has left the loop that
-    a rank at ``inside`` is still in."""
-    loop = _innermost(filename, inside, (ast.For, ast.While))
-    if loop is None or after is None or after <= (loop.end_lineno or after):
+    """The header line of the outermost loop around line ``inside`` that line ``after`` lies past the
+    end of, in the same function (None when there is none): a rank at ``after`` has left the loop
+    that a rank at ``inside`` is still in (an epoch loop left by a break, not only its batch loop)."""
+    loops = _loops_around(filename, inside)
+    if not loops or after is None or after <= (loops[0].end_lineno or after):
         return None
-    scope = _innermost(filename, loop.lineno, (ast.FunctionDef, ast.AsyncFunctionDef))
-    return loop.lineno if scope is None or after <= (scope.end_lineno or 0) else None
+    scope = _innermost(filename, loops[0].lineno, (ast.FunctionDef, ast.AsyncFunctionDef))
+    if scope is not None and after > (scope.end_lineno or 0):
+        return None
+    left = [loop for loop in loops if after > (loop.end_lineno or after)]  # innermost first, nested
+    return left[-1].lineno
+
+
+def share_a_loop(filename: str | None, line: int | None, other: int | None) -> bool:
+    """Do ``line`` and ``other`` lie in one loop of the same function (a rank at one may be a turn
+    ahead of a rank at the other)?"""
+    return other is not None and any(loop.lineno <= other <= (loop.end_lineno or 0)
+                                     for loop in _loops_around(filename, line))
+
+
+def _loops_around(filename: str | None, line: int | None) -> list[Any]:
+    """The loops whose lines hold ``line``, innermost first, within its innermost function."""
+    parsed = _tree(filename)
+    if parsed is None or line is None:
+        return []
+    scope = _innermost(filename, line, (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda))
+    start = scope.lineno if scope is not None else 0
+    around = [node for node in ast.walk(parsed[0]) if isinstance(node, (ast.For, ast.While))
+              and start < node.lineno <= line <= (node.end_lineno or 0)]
+    return sorted(around, key=lambda node: node.lineno, reverse=True)
 
 
 _LOOPS = (ast.For, ast.AsyncFor, ast.While)

@@ -22,6 +22,7 @@ from helpers.doctor.source import (
     loop_left,
     mentions_rank,
     rank_condition,
+    share_a_loop,
     source_line,
 )
 from helpers.sites import installed_package, is_user_code
@@ -555,7 +556,21 @@ def different_lines_summary(key: tuple[str, int], present: dict[int, Op], culpri
     return (f"Ranks called {_op_name(op)} as collective #{key[1]} from different lines, with different "
             "shapes or dtypes: " + "; ".join(_together(said)) + ". On some ranks another call took this "
             "number: the ranks took different paths, or a thread of their own issues collectives on the "
-            "same group, in a different order on each rank." + _deciding_text(culprits, present, " "))
+            "same group, in a different order on each rank."
+            + (_deciding_text(culprits, present, " ") or _rank_branch_text(culprits, present)))
+
+
+def _rank_branch_text(culprits: list[int], present: dict[int, Op]) -> str:
+    """' Rank 0's call is under 'if accelerator.is_local_main_process:' at train.py:21, a branch on
+    the rank.' when the culprits' calls sit under one branch on the rank; '' otherwise."""
+    branches = {(op.file, found) for rank in culprits if (op := present.get(rank)) is not None
+                and (found := rank_condition(op.file, op.line))}
+    if len(branches) != 1:
+        return ""
+    file, found = branches.pop()
+    calls = _calls_of(culprits)
+    return (f" {calls[0].upper()}{calls[1:]} {'is' if len(culprits) == 1 else 'are'} under "
+            f"{_branch_words(found, file)}, a branch on the rank.")
 
 
 def _where_now(op: Op, pos: Position | None, seq: int) -> tuple[str | None, str]:
@@ -656,7 +671,8 @@ def _different_path(present: dict[int, Op], culprits: list[int], positions: dict
     sites = {rank: _site(op, positions.get(rank)) for rank, op in present.items()}
     mine = sorted(rank for rank in culprits if rank in present)
     others = sorted(rank for rank in present if rank not in culprits)
-    left = _left_loop(sites, mine, others, "the others") or _left_loop(sites, others, mine, ranks_text(mine))
+    left = (_left_loop(sites, mine, others, "the others", positions)
+            or _left_loop(sites, others, mine, ranks_text(mine), positions))
     if left:
         return left
     if not others:  # no side is the common path: every rank's call is as likely the odd one
@@ -728,9 +744,12 @@ def _calls_of(ranks: list[int]) -> str:
 
 
 def _left_loop(sites: dict[int, tuple[str, int] | None], leavers: list[int], stayers: list[int],
-               stayers_text: str) -> str:
+               stayers_text: str, positions: dict[int, Position]) -> str:
     """``_different_path``'s loop sentence when every leaver's call lies past the end of the loop
-    that holds every stayer's call ('' otherwise)."""
+    that holds every stayer's call ('' otherwise, and when a leaver's call, still inside an outer
+    loop that holds the stayers' too, is under a branch on the rank or a condition each rank decides
+    for itself: the stayers may have gone round that outer loop past a call of the leaver's own, as
+    with 'if accelerator.is_main_process: accelerator.save_state()' after the batch loop)."""
     inside = {sites[rank] for rank in stayers}
     if not leavers or len(inside) != 1 or None in inside or any(sites[rank] is None for rank in leavers):
         return ""
@@ -738,6 +757,9 @@ def _left_loop(sites: dict[int, tuple[str, int] | None], leavers: list[int], sta
     headers = {loop_left(file, line, site[1]) if site[0] == file else None
                for site in (sites[rank] for rank in leavers) if site is not None}
     if len(headers) != 1 or None in headers:
+        return ""
+    if any(share_a_loop(file, line, site[1]) and _in_a_branch(site, positions.get(rank))
+           for rank in leavers if (site := sites[rank]) is not None):
         return ""
     several = len(leavers) > 1
     stay = "is" if len(stayers) == 1 and not stayers_text.startswith("the") else "are"
@@ -990,6 +1012,14 @@ def _branch_text(pos: Position) -> str:
     branch is not around the collective's own line."""
     branch = _branch_site(pos)
     return f" (from its call at {branch})" if branch else ""
+
+
+def _in_a_branch(site: tuple[str, int], pos: Position | None) -> bool:
+    """Is a rank's call at ``site`` under a branch on the rank (its own line's, or a caller's, when
+    the rank is still there) or under a condition each rank decides for itself?"""
+    if rank_condition(*site) or decided_per_rank(*site):
+        return True
+    return pos is not None and pos.op is not None and (pos.file, pos.line) == site and bool(_branch_site(pos))
 
 
 def _own_branch(pos: Position) -> str:
