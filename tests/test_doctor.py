@@ -1421,6 +1421,10 @@ def test_a_monitored_barrier_that_times_out_names_the_rank_that_never_came_not_t
     assert (found.kind, found.ranks) == ("rank-missing", [2]), found.text()
     assert [entry.state for entry in found.per_rank[:2]] == ["exited", "exited"]
     assert found.per_rank[2].location in (f"{HERE}:{_line('loop')}", f"{HERE}:{_line('loop') + 1}")
+    # its own timeout argument ended the wait, not the group's: the fix says which to raise
+    assert ("Rank 0 stopped waiting at monitored_barrier's own timeout (its timeout argument) (RuntimeError: "
+            "[Rank 0]: Rank 2 failed to pass monitoredBarrier in 1000 ms).") in found.summary, found.summary
+    assert found.fix.startswith(wording.MONITORED_TIMEOUT_CURE), found.fix
     leftovers.check()
 
 
@@ -1590,6 +1594,30 @@ def test_input_on_a_launched_rank_is_told_why_it_reads_nothing(leftovers):
     assert (found.kind, found.ranks) == ("rank-exited", [1]), found.text()
     assert f"Rank 1 raised EOFError: EOF when reading a line at {HERE}:{_line('input')}" in found.summary
     assert found.fix.startswith("input() on a launched rank"), found.fix
+    leftovers.check()
+
+
+def _metric_error_swallowed_on_one_rank():
+    import torch
+    import torch.distributed as dist
+
+    for step in range(3):
+        dist.all_reduce(torch.ones(8))  # line: grads before the metric
+        try:
+            positives = 0 if (dist.get_rank() == 1 and step == 1) else 2
+            dist.all_reduce(torch.tensor([1.0 / positives]))  # line: swallowed metric
+        except Exception:  # noqa: BLE001 - the bug under test: metrics must never stop training
+            pass
+
+
+def test_a_collective_in_a_try_whose_except_swallows_a_ranks_error_is_named_with_that_except(leftovers):
+    # rank 1's ZeroDivisionError skips the metric's all_reduce there alone; its next all_reduce of 8
+    # floats meets rank 0's metric of 1: gloo aborts rank 0, or the calls are read as they differ
+    found = _failed_run(_metric_error_swallowed_on_one_rank)
+    assert found.kind == "collective-mismatch", found.text()
+    assert (f"The all_reduce at {HERE}:{_line('swallowed metric')} is in a try whose 'except Exception:' at "
+            f"{HERE}:{_line('swallowed metric') + 1} {wording.SWALLOWED}") in found.summary, found.summary
+    assert found.fix.startswith(wording.SWALLOW_CURE), found.fix
     leftovers.check()
 
 
@@ -1893,6 +1921,40 @@ def test_a_child_that_ends_while_a_rank_reports_its_error_leaves_the_error_said(
                        str(script))  # a script run as __main__ (run_as_main: the job doctor's too)
     data = json.loads((tmp_path / "d.json").read_text())
     assert said in data["summary"], done.stderr[-2000:]
+    leftovers.check()
+
+
+_EXITS_EARLY = """\
+import sys
+import torch
+import torch.distributed as dist
+
+dist.init_process_group("gloo")
+x = torch.zeros(4)
+for step in range(6):
+    if dist.get_rank() == 1 and step == 3:
+        sys.exit(1)
+    dist.all_reduce(x)
+sys.exit(0)
+"""
+
+
+def test_a_sys_exit_inside_the_loop_on_one_rank_is_named_and_one_after_it_on_every_rank_is_not(tmp_path,
+                                                                                              leftovers):
+    script = tmp_path / "stops.py"
+    script.write_text(_EXITS_EARLY)
+    done = _doctor_cli("--num-processes", "2", "--stall-s", "2", "--json", str(tmp_path / "d.json"), "--",
+                       str(script))
+    data = json.loads((tmp_path / "d.json").read_text())
+    assert (data["kind"], data["ranks"]) == ("rank-exited", [1]), done.stderr[-3000:]
+    assert data["summary"].startswith(
+        "Rank 1 left through sys.exit(1) (exit code 1) at stops.py:9, inside the loop at stops.py:7 (under "
+        "'if dist.get_rank() == 1 and step == 3:' at stops.py:8, a branch on the rank) while other ranks "
+        "still needed it"), data["summary"]
+    assert data["fix"].startswith(wording.LOOP_EXIT_CURE), data["fix"]
+    script.write_text(_EXITS_EARLY.replace("step == 3", "step == 99"))  # sys.exit(0) past the loop: healthy
+    done = _doctor_cli("--num-processes", "2", "--stall-s", "2", "--", str(script))
+    assert done.returncode == 0, done.stderr[-3000:]
     leftovers.check()
 
 

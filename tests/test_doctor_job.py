@@ -304,6 +304,23 @@ def test_a_scripts_own_sigterm_handler_decides_what_sigterm_does(script, tmp_pat
     leftovers.check()
 
 
+def test_a_sys_exit_in_the_loop_on_the_second_node_is_named_with_its_branch(script, tmp_path, leftovers):
+    # rank 3 leaves through sys.exit(0) in its fourth step: exit code 0, yet no loop ran out
+    outcome = _run(script, tmp_path, "exit-early")
+    data = _json(outcome)
+    assert (data["kind"], data["ranks"]) == ("rank-exited", [3]), data["summary"]
+    exit_line = _line("exit-early")
+    loop = FIXTURE.read_text().splitlines().index("    for step in range(5):") + 1
+    assert data["summary"].startswith(
+        f"Rank 3 left through sys.exit(0) at {exit_line}, inside the loop at {FIXTURE.name}:{loop} (under "
+        "'if MODE == 'exit-early' and step == 3 and "), data["summary"]
+    branch = int(exit_line.rsplit(":", 1)[1]) - 1
+    assert f" at {FIXTURE.name}:{branch}, a branch on the rank)" in data["summary"], data["summary"]
+    assert "ran out first" not in data["summary"]
+    assert data["fix"].startswith(wording.LOOP_EXIT_CURE), data["fix"]
+    leftovers.check()
+
+
 def test_a_script_that_ends_with_os_exit_is_a_healthy_end(script, tmp_path, leftovers):
     # os._exit skips Python's teardown: the doctor still hears how each rank ended (no "killed")
     outcome = _run(script, tmp_path, "os-exit")

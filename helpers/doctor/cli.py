@@ -153,7 +153,7 @@ def module_main(argv: list[str]) -> int:
 def _run_unwatched(command: list[str]) -> int:
     from helpers.launch.rank import run_as_main
 
-    code, error = run_as_main(command)
+    code, error, _exit_call = run_as_main(command)
     if error is not None:
         raise error
     return code

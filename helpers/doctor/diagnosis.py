@@ -165,6 +165,8 @@ def diagnose(views: dict[int, RankView], num_processes: int, reason: str,
                  for rank in range(num_processes)}
     histories = {rank: history(view) for rank, view in views.items()}
     kind, culprits, summary, *cures = _classify(positions, histories, views)  # a cure the evidence tells
+    if wording.SWALLOWED in summary:  # a collective in a try whose except swallows a rank's error
+        cures = [wording.SWALLOW_CURE, *cures]
     sizes = _batch_sizes(views)
     if kind != "ok" and len(set(sizes.values())) > 1:  # find_executable_batch_size retried on some alone
         culprits = sorted(rank for rank, size in sizes.items() if size < max(sizes.values()))
@@ -346,7 +348,9 @@ def rank_branch(pos: Position) -> str | None:
 def _position(view: RankView) -> Position:
     exit_record = view.exit or {}
     if view.ended and view.exit_code == 0 and exit_record.get("status") == "finished":
-        return Position(view.rank, "finished", exit_code=0, seq=view.last_seq() or None)
+        pos = Position(view.rank, "finished", exit_code=0, seq=view.last_seq() or None)
+        _place_exit_call(pos, exit_record)
+        return pos
     pos = _current(view)
     if not view.ended and view.exit is None:
         pos.exit_code = view.exit_code  # known after the fact for a rank its launcher stopped
@@ -390,7 +394,24 @@ def _position(view: RankView) -> Position:
         last = next((op for op in reversed(view.python_ops()) if op.where), None)
         if pos.op is None and last is not None:
             pos.where, pos.file, pos.line = last.where, last.file, last.line
+        if exit_record.get("status") == "exited":  # a non-zero sys.exit(): inside a loop, its line
+            _place_exit_call(pos, exit_record)
     return pos
+
+
+_EXIT_CALL = re.compile(r"\b(?:sys\.exit|exit|quit)\([^()]*\)")  # 'sys.exit(0)', 'exit()' in its line
+
+
+def _place_exit_call(pos: Position, exit_record: dict) -> None:
+    """A rank that left through ``sys.exit()`` (or ``exit()``) inside a loop, early, while the loop
+    may still have held collectives for the others: placed at that call ('' when the call is outside
+    any loop, as ``sys.exit(main())`` at a script's end is)."""
+    site = exit_record.get("exit_site")
+    if not isinstance(site, dict) or enclosing_loop(site.get("file"), site.get("line")) is None:
+        return
+    found = _EXIT_CALL.search(source_line(site))
+    pos.exit_call = found.group(0) if found else "SystemExit"
+    pos.where, pos.file, pos.line = site.get("where"), site.get("file"), site.get("line")
 
 
 # faulthandler's header at each fatal signal it handles (Modules/faulthandler.c)
@@ -720,6 +741,8 @@ def _classify(positions: dict[int, Position], histories: dict[int, dict], views:
         if loop is not None:
             summary += wording.loop_ran_longer(loop, exited, positions)
             return "rank-exited", exited, summary, *_loop_cures(summary)
+        if any(positions[rank].exit_call for rank in exited):  # an early exit inside a loop
+            return "rank-exited", exited, summary, wording.LOOP_EXIT_CURE
         return "rank-exited", exited, summary
     crossed = _crossed_p2p(positions)
     if crossed:
@@ -739,7 +762,8 @@ def _classify(positions: dict[int, Position], histories: dict[int, dict], views:
     if missing:
         cures = [wording.INIT_CURE] if _waiting_in_init(positions) else []
         if wording.gave_up(positions):  # torch's timeout ended a wait: the missing rank may be slow
-            cures.append(wording.TIMEOUT_CURE)
+            monitored = wording.monitored_timeout(positions)
+            cures.append(wording.MONITORED_TIMEOUT_CURE if monitored else wording.TIMEOUT_CURE)
         if any(positions[rank].detail.startswith(wording.FILE_LOCK_WAIT) for rank in missing):
             cures.insert(0, wording.FILE_LOCK_CURE)
         return ("rank-missing", missing, wording.missing_summary(missing, positions), *cures)
@@ -1196,7 +1220,8 @@ def _loop_ran_longer(exited: list[int], positions: dict[int, Position], historie
     accelerate's split_between_processes without padding). None otherwise."""
     waiting = [p for p in positions.values() if p.rank not in exited and p.op is not None
                and (p.state == "in-collective" or p.victim) and p.file and p.line]
-    if not waiting or any(positions[rank].state != "finished" for rank in exited):
+    if not waiting or any(positions[rank].state != "finished" or positions[rank].exit_call
+                          for rank in exited):
         return None
     for rank in exited:
         last = histories.get(rank, {}).get((waiting[0].op.pg, positions[rank].seq or 0))

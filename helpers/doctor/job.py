@@ -140,8 +140,8 @@ def run_rank(job: JobEnv, options: JobOptions, command: list[str]) -> NoReturn:
     watchdog = Watchdog(job, options, reader, parent, tracer, command)
     watchdog.start()
     os._exit = watchdog.script_exits  # type: ignore[assignment] - a script's own os._exit says so first
-    code, error = run_as_main(command)
-    watchdog.ended(_exit_record(code, error))  # before the traceback: SIGTERM may come meanwhile
+    code, error, exit_call = run_as_main(command)
+    watchdog.ended(_exit_record(code, error, exit_call))  # before the traceback: SIGTERM may come meanwhile
     said = _said(error) if error is not None else ""
     if error is not None and watchdog.stop_code is not None and _stop_echo(said):
         print(f"doctor: rank {job.rank}'s script then failed as the other ranks left on the doctor's stop "
@@ -172,9 +172,13 @@ def _accelerate_processes() -> int | None:
     return shared.get("num_processes")
 
 
-def _exit_record(code: int, error: BaseException | None) -> dict[str, Any]:
+def _exit_record(code: int, error: BaseException | None,
+                 exit_call: SystemExit | None = None) -> dict[str, Any]:
     record: dict[str, Any] = {"ev": "exit", "t": time.time(), "code": code,
                               "status": "raised" if error else ("finished" if code == 0 else "exited")}
+    site = trace.traceback_site(exit_call.__traceback__) if exit_call is not None else None
+    if site:  # where sys.exit() was called (an early stop inside a loop)
+        record["exit_site"] = site
     if isinstance(error, KeyboardInterrupt):  # Ctrl-C: stopped on purpose, not a crash to diagnose
         record.update(status="stopped", by="Ctrl-C (KeyboardInterrupt)")
     elif error is not None:

@@ -270,6 +270,7 @@ class Position:
     fatal: int | None = None  # the fatal signal it died of (faulthandler's first, where a second fault
     #                           as it dumped its stack gave its exit status another signal)
     victim: bool = False  # raised inside a collective (a consequence, not a cause)
+    exit_call: str = ""  # the sys.exit() / exit() it left through inside a loop ('sys.exit(0)'), at ``where``
     timed_out: bool = False  # its wait was ended from outside: torch's timeout, or a signal as it waited
     callers: list[tuple[str, int, str]] = field(default_factory=list)  # the user's frames it was called
     #                                     from, outermost first: (file, line, where)

@@ -287,6 +287,25 @@ def loop_left(filename: str | None, inside: int | None, after: int | None) -> in
     return left[-1].lineno
 
 
+def swallowing_handler(filename: str | None, line: int | None) -> tuple[int, str] | None:
+    """The ``except`` clause (its line, 'except ValueError:') of the innermost ``try`` whose body
+    holds ``line`` when that clause re-raises nothing (``except Exception: pass``): an error raised
+    on one rank before the call there, in the try, skips the call on that rank alone, silently."""
+    parsed = _tree(filename)
+    if parsed is None or line is None:
+        return None
+    tries = [node for node in ast.walk(parsed[0]) if isinstance(node, ast.Try) and node.body
+             and node.body[0].lineno <= line <= (node.body[-1].end_lineno or 0)]
+    if not tries:
+        return None
+    innermost = max(tries, key=lambda node: node.lineno)
+    for handler in innermost.handlers:
+        if not any(isinstance(node, ast.Raise) for node in ast.walk(handler)):
+            caught = f" {ast.unparse(handler.type)}" if handler.type is not None else ""
+            return handler.lineno, f"except{caught}{f' as {handler.name}' if handler.name else ''}:"
+    return None
+
+
 def share_a_loop(filename: str | None, line: int | None, other: int | None) -> bool:
     """Do ``line`` and ``other`` lie in one loop of the same function (a rank at one may be a turn
     ahead of a rank at the other)?"""

@@ -24,6 +24,7 @@ from helpers.doctor.source import (
     rank_condition,
     share_a_loop,
     source_line,
+    swallowing_handler,
 )
 from helpers.sites import installed_package, is_user_code
 from helpers.trace.callsites import DATALOADER_FILE, DATALOADER_READ
@@ -309,6 +310,9 @@ def shapes_text(shapes: list | None) -> str | None:
 def short_error(text: str | None) -> str:
     """An exception's first sentence, without gloo's source path: 'RuntimeError: Connection closed ...'."""
     text = re.sub(r"\[[^\]]*/[^\]]*:\d+\] ", "", text or "")
+    lines = [line.strip() for line in text.splitlines() if line.strip()]
+    if lines:  # its first line, unless that is only the error's name ('RuntimeError:' then the message)
+        text = lines[0] if len(lines[0]) >= 30 else " ".join(lines)
     first = re.split(r"(?<=[.!?])\s", text, maxsplit=1)[0]
     return first if len(first) <= 160 else first[:157] + "..."
 
@@ -557,7 +561,18 @@ def different_lines_summary(key: tuple[str, int], present: dict[int, Op], culpri
             "shapes or dtypes: " + "; ".join(_together(said)) + ". On some ranks another call took this "
             "number: the ranks took different paths, or a thread of their own issues collectives on the "
             "same group, in a different order on each rank."
-            + (_deciding_text(culprits, present, " ") or _rank_branch_text(culprits, present)))
+            + (_deciding_text(culprits, present, " ") or _rank_branch_text(culprits, present)
+               or swallowed_text(_at_call(op, positions.get(rank), key[1])
+                                 for rank, op in sorted(present.items()))))
+
+
+def _at_call(op: Op, pos: Position | None, seq: int) -> Position:
+    """A rank's position at its call ``op`` (collective ``seq``): where it is, when that is its
+    call now; else the call's own site."""
+    if pos is not None and pos.op is not None and pos.seq == seq and pos.file:
+        return pos
+    return Position(pos.rank if pos else -1, "in-collective", op=op, seq=seq, where=op.where, file=op.file,
+                    line=op.line)
 
 
 def _rank_branch_text(culprits: list[int], present: dict[int, Op]) -> str:
@@ -693,7 +708,8 @@ def _different_path(present: dict[int, Op], culprits: list[int], positions: dict
         inside = _next_turn(present, positions)
         if inside:
             return inside
-    return f" {ranks_text(culprits)} took a different path from {_others_text(others)}{inside}."
+    swallowed = "" if inside else swallowed_text(positions.get(rank) for rank in present)
+    return f" {ranks_text(culprits)} took a different path from {_others_text(others)}{inside}.{swallowed}"
 
 
 def turn_skipped(present: dict[int, Op], positions: dict[int, Position]
@@ -874,9 +890,12 @@ def exited_summary(culprits: list[int], positions: dict[int, Position]) -> str:
     """How each culprit rank ended, and who still needed it."""
     needing = [p for p in positions.values()
                if (p.state == "in-collective" or p.victim) and p.rank not in culprits]
-    finished = [rank for rank in culprits if positions[rank].state == "finished"]
+    finished = [rank for rank in culprits
+                if positions[rank].state == "finished" and not positions[rank].exit_call]
     its = "its" if len(finished) == 1 else "their"
     sentences = [f"{ranks_text(finished)} finished {its} work"] if finished else []
+    sentences += [f"Rank {rank} {_exit_call_text(positions[rank])}" for rank in culprits
+                  if positions[rank].state == "finished" and positions[rank].exit_call]
     alike: dict[tuple[str, str | None], list[int]] = {}  # ranks that ended the same way at one line
     for rank in culprits:
         if positions[rank].state != "finished":
@@ -942,7 +961,30 @@ def aborted_summary(dead: int, different: list[int], positions: dict[int, Positi
     others = (f"while rank {said[0][0]} was {said[0][1]}" if len(said) == 1
               else f"while other ranks were in other calls: {'; '.join(_together(said))}")
     return (f"Rank {dead} was {pos.detail} inside {_op_name(pos.op)}{_at(pos)} {others}. "
-            f"{PAIRED_APART}{_deciding_condition(pos)}")
+            f"{PAIRED_APART}"
+            f"{_deciding_condition(pos) or swallowed_text([pos, *map(positions.get, different)])}")
+
+
+SWALLOWED = "swallows what it catches"  # in a summary: a collective in a try whose except re-raises nothing
+SWALLOW_CURE = (
+    "Keep collectives out of a try whose except swallows errors: compute the value first (guard the "
+    "division by zero, the missing key), then call the collective on every rank outside the try; or, on "
+    "an error, reduce a flag across the ranks so that every rank skips the call together.")
+
+
+def swallowed_text(positions: Iterable[Position | None]) -> str:
+    """' The all_reduce at train.py:26 is in a try whose 'except Exception:' at train.py:28 swallows
+    what it catches: ...' for the first of these ranks' calls in such a try; '' when none is."""
+    for pos in positions:
+        if pos is None or pos.op is None or not pos.file:
+            continue
+        found = swallowing_handler(pos.file, pos.line)
+        if found is not None:
+            return (f" The {_op_name(pos.op)}{_at(pos)} is in a try whose '{found[1]}' at "
+                    f"{Path(pos.file).name}:{found[0]} {SWALLOWED}: an error raised in that try on one rank "
+                    "before the call (computing its argument, say) skips the call on that rank alone, "
+                    "silently, and it goes on to its next collective.")
+    return ""
 
 
 def _deciding_condition(pos: Position) -> str:
@@ -991,8 +1033,22 @@ def loop_ran_longer(loop: str, finished: list[int], positions: dict[int, Positio
             f"the call the others still wait in as {numbers}.{exits}")
 
 
+def _exit_call_text(pos: Position, code: str = "") -> str:
+    """"left through sys.exit(0) at train.py:12, inside the loop at train.py:8 (under 'if rank == 1
+    and step == 3:' at train.py:10, a branch on the rank)": an early exit in a loop, on this rank."""
+    loop = enclosing_loop(pos.file, pos.line)
+    inside = f", inside the loop at {Path(pos.file or '').name}:{loop}" if loop else ""
+    branch = rank_condition(pos.file, pos.line)
+    found = branch or decided_per_rank(pos.file, pos.line)
+    under = (f" (under {_branch_words(found, pos.file or '')}, "
+             f"{'a branch on the rank' if branch else DECIDES_ITSELF})") if found else ""
+    return f"left through {pos.exit_call}{code}{_at(pos)}{inside}{under}"
+
+
 def _ended_how(pos: Position, several: bool) -> str:
     """'raised ValueError: ... at train.py:7', 'was killed by SIGABRT after its last collective at ...'."""
+    if pos.exit_call:
+        return _exit_call_text(pos, f" ({pos.detail})")
     if pos.detail.startswith("raised"):
         return pos.detail + _at(pos)
     if pos.detail.startswith("killed"):
@@ -1122,12 +1178,28 @@ def missing_summary(missing: list[int], positions: dict[int, Position]) -> str:
         where.append(f"rank {rank} is {what}".rstrip()
                      + (f" ({pos.where})" if pos.where and pos.where not in what else ""))
     given_up = gave_up(positions)
-    ended = (f" {ranks_text(given_up)} stopped waiting at the process group's timeout ("
+    which = ("monitored_barrier's own timeout (its timeout argument)" if monitored_timeout(positions)
+             else "the process group's timeout")
+    ended = (f" {ranks_text(given_up)} stopped waiting at {which} ("
              f"{short_error(positions[given_up[0]].op.error)})." if given_up else "")
     return text + "; " + "; ".join(where) + "." + ended
 
 
-_TORCH_TIMEOUT = re.compile(r"timed out|timeout", re.IGNORECASE)
+_TORCH_TIMEOUT = re.compile(r"timed out|timeout|failed to pass monitoredBarrier", re.IGNORECASE)
+# torch's monitored_barrier when its own timeout passes ('Rank 1 failed to pass monitoredBarrier in 2000
+# ms'; ProcessGroupGloo.cpp): the timeout argument, or the group's when that is None
+_MONITORED = re.compile(r"failed to pass monitoredBarrier in \d+ ms")
+
+
+def monitored_timeout(positions: dict[int, Position]) -> bool:
+    """Did a wait end at ``monitored_barrier``'s own timeout (not a collective's)?"""
+    return any(_MONITORED.search(positions[rank].op.error or "") for rank in gave_up(positions))
+
+
+MONITORED_TIMEOUT_CURE = (
+    "monitored_barrier(timeout=...) waits that long for every rank whatever the process group's timeout "
+    "(the group's is used only when that argument is None): if the missing rank's work is slow rather "
+    "than stuck, raise that timeout argument, or do the slow work on every rank, or after the barrier.")
 
 
 def gave_up(positions: dict[int, Position]) -> list[int]:

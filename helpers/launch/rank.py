@@ -26,7 +26,7 @@ import traceback
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import IO, Any, NoReturn
+from typing import IO, Any, NamedTuple, NoReturn
 
 from helpers import procs, rundir, trace
 
@@ -228,7 +228,7 @@ def run_command_rank(argv: list[str], traced: bool) -> NoReturn:
 
 def _run_as_main(argv: list[str], run_dir: Path, rank: int) -> int:
     """Run the script or module as ``__main__``; record how it ended; return its exit code."""
-    code, error = run_as_main(argv)
+    code, error, _exit_call = run_as_main(argv)
     if error is not None:
         formatted = "".join(traceback.format_exception(error))
         rundir.RankOutcome.failure(error, formatted).write(rundir.result_path(run_dir, rank))
@@ -238,9 +238,17 @@ def _run_as_main(argv: list[str], run_dir: Path, rank: int) -> int:
     return code
 
 
-def run_as_main(argv: list[str]) -> tuple[int, BaseException | None]:
+class Ran(NamedTuple):
+    """How a script run as ``__main__`` ended."""
+
+    code: int  # its exit code
+    error: BaseException | None  # the exception that escaped it (code 1), never a SystemExit
+    exit_call: SystemExit | None  # the SystemExit it ended by (sys.exit(), exit()), its line in its traceback
+
+
+def run_as_main(argv: list[str]) -> Ran:
     """Run ``script.py args`` (or ``-m module args``) as ``__main__`` and tell the tracer how it
-    ended (``trace.finish``). Returns the exit code, and the exception that escaped (code 1)."""
+    ended (``trace.finish``)."""
     import runpy
 
     module = argv[0] == "-m"
@@ -259,13 +267,13 @@ def run_as_main(argv: list[str]) -> tuple[int, BaseException | None]:
     quiet_child_signals()
     if isinstance(error, SystemExit):
         code = _exit_code(error.code)
-        trace.finish("finished" if code == 0 else "exited")
-        return code, None
+        trace.finish("finished" if code == 0 else "exited", exit_call=error)
+        return Ran(code, None, error)
     if error is not None:
         trace.finish("raised", error)
-        return 1, error
+        return Ran(1, error, None)
     trace.finish("finished")
-    return 0, None
+    return Ran(0, None, None)
 
 
 def quiet_child_signals() -> None:

@@ -132,15 +132,20 @@ def joined() -> bool:
     return tracer is not None and tracer.joined
 
 
-def finish(status: str, error: BaseException | None = None) -> None:
+def finish(status: str, error: BaseException | None = None, exit_call: SystemExit | None = None) -> None:
     """Write the rank's last records: how it ended, its final progress and Flight Recorder tail.
 
-    ``status`` is "finished" (the work ended normally) or "raised" (``error`` escaped it).
+    ``status`` is "finished" (the work ended normally), "exited" (a non-zero exit code) or "raised"
+    (``error`` escaped it). ``exit_call``: the SystemExit that ended it (``sys.exit()``, ``exit()``),
+    whose line is recorded as ``exit_site`` (an early stop inside a loop on one rank alone).
     """
     tracer = _tracing.current
     if tracer is None:
         return
     record: dict[str, Any] = {"ev": "exit", "status": status, "t": time.time(), "pg": group_progress()}
+    site = traceback_site(exit_call.__traceback__) if exit_call is not None else None
+    if site:
+        record["exit_site"] = site
     if error is not None:
         record["error"] = error_text(error)
         site = traceback_site(error.__traceback__)
