@@ -158,6 +158,32 @@ def test_a_rank_in_the_wait_of_an_irecv_whose_send_never_came_names_the_sender(l
     leftovers.check()
 
 
+def _batch_without_a_recv_on_one_rank():
+    import torch
+    import torch.distributed as dist
+
+    rank, peer = dist.get_rank(), 1 - dist.get_rank()
+    sent, received = torch.ones(4), torch.zeros(4)
+    for step in range(3):
+        ops = [dist.P2POp(dist.isend, sent, peer)]
+        if rank == 0 or step < 2:  # rank 1 posts no irecv in its last step
+            ops.append(dist.P2POp(dist.irecv, received, peer))
+        for work in dist.batch_isend_irecv(ops):
+            work.wait()  # line: batch wait
+    dist.barrier()  # line: after the batches
+
+
+def test_a_batch_isend_irecv_whose_peer_posted_no_match_names_the_peer(leftovers):
+    # gloo issues a batch's sends and receives one by one: rank 0's isend to rank 1 is never received
+    found = _hung_run(_batch_without_a_recv_on_one_rank)
+    assert (found.kind, found.ranks) == ("rank-missing", [1]), found.text()
+    assert found.summary.startswith(
+        f"Rank 0 waits in its batch_isend_irecv (isend to rank 1, irecv from rank 1) at {HERE}:"
+        f"{_line('batch wait')}, but rank 1 is in barrier at {HERE}:{_line('after the batches')}"), \
+        found.summary
+    leftovers.check()
+
+
 def _ring_rank_forgets_a_send():
     import torch
     import torch.distributed as dist

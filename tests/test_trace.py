@@ -158,6 +158,7 @@ def test_an_isend_or_irecv_ends_once_waited_for_not_when_posted(tmp_path, leftov
         assert all(r.get("async") for r in ops[:3]) and ops[0]["where"] == f"{HERE}:{_line('posted')}"
         assert [ends[r["id"]]["ok"] for r in ops] == [True, True, None if rank == 0 else True, True]
         assert ends[ops[2]["id"]].get("dropped") is (True if rank == 0 else None)
+        assert ops[1]["batch"] == [["send", 1 - rank], ["recv", 1 - rank]]  # the batch's parts, each peer
     leftovers.check()
 
 

@@ -1322,7 +1322,8 @@ def _crossed_p2p(positions: dict[int, Position]) -> list[int]:
     """Ranks waiting in a send to a peer that waits in a send to them (or both in a recv): each
     waits for the other to post the match, and neither will."""
     return sorted(pos.rank for pos, peer in _p2p_waits(positions)
-                  if _facing(pos, peer) and wording.receives(peer.op) == wording.receives(pos.op))
+                  if _facing(pos, peer) and not (pos.op.batch or peer.op.batch)
+                  and wording.receives(peer.op) == wording.receives(pos.op))
 
 
 def _unanswered_p2p(positions: dict[int, Position]) -> dict[int, int]:

@@ -52,6 +52,7 @@ class Op:
     pg_desc: str | None = None  # torch's description of a subgroup ('mesh_dp': a DeviceMesh dimension's)
     world: int | None = None  # init_process_group's: the world size it waits for (argument or WORLD_SIZE)
     thread: str | None = None  # the id of the thread that called it, when not the main thread
+    batch: list | None = None  # batch_isend_irecv's [["send" or "recv", peer], ...]
 
     def signature(self) -> tuple:
         """What must agree across ranks at one sequence number: the op, then shapes and dtypes."""
@@ -70,6 +71,14 @@ def _ranks_or_none(value: Any) -> list[int] | None:
     if not isinstance(value, list) or any(_rank_or_none(each) is None for each in value):
         return None
     return value
+
+
+def _batch_or_none(value: Any) -> list | None:
+    def part_ok(part: Any) -> bool:
+        return (isinstance(part, list) and len(part) == 2 and part[0] in ("send", "recv")
+                and _rank_or_none(part[1]) is not None)
+
+    return value if isinstance(value, list) and all(part_ok(part) for part in value) else None
 
 
 def _splits_or_none(value: Any) -> list | None:
@@ -131,7 +140,10 @@ class RankView:
                 async_=bool(event.get("async")), peer=_rank_or_none(event.get("peer")),
                 root=_rank_or_none(event.get("root")), splits=_splits_or_none(event.get("splits")),
                 pg_ranks=_ranks_or_none(event.get("pg_ranks")), pg_desc=_text_or_none(event.get("pg_desc")),
-                world=_rank_or_none(event.get("world")), thread=_text_or_none(event.get("thread")))
+                world=_rank_or_none(event.get("world")), thread=_text_or_none(event.get("thread")),
+                batch=_batch_or_none(event.get("batch")))
+        if op.batch and op.peer is None and len({peer for _kind, peer in op.batch}) == 1:
+            op.peer = op.batch[0][1]  # a batch with one peer: waited on as a send or recv with it is
         if len(self.order) == self.order.maxlen:  # forgotten, open or not (an isend never waited for)
             self.ops.pop(self.order[0], None)
             self.open.pop(self.order[0], None)

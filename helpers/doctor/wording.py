@@ -1268,8 +1268,17 @@ def group_text(op: Op, members: dict[str, list[int]]) -> str:
 
 
 def receives(op: Op) -> bool:
-    """Is a p2p op a receive (recv, irecv), not a send?"""
-    return "recv" in canonical_op(op.op)
+    """Is a p2p op a receive (recv, irecv), not a send (nor a batch of both)?"""
+    return "recv" in canonical_op(op.op) and not op.batch and canonical_op(op.op) != "batch_isend_irecv"
+
+
+def _batch_text(op: Op) -> str:
+    """' (isend to rank 1, irecv from rank 1)': what a batch_isend_irecv holds; '' for another op."""
+    if not op.batch:
+        return ""
+    parts = [f"isend to rank {peer}" if kind == "send" else f"irecv from rank {peer}"
+             for kind, peer in op.batch]
+    return f" ({', '.join(parts)})"
 
 
 def crossed_p2p_summary(crossed: list[int], positions: dict[int, Position]) -> str:
@@ -1293,6 +1302,10 @@ def p2p_summary(unanswered: dict[int, int], positions: dict[int, Position]) -> s
     parts = []
     for rank, peer in sorted(unanswered.items()):
         pos, other = positions[rank], positions[peer]
+        if pos.op.batch:  # which of its sends and receives is still open is not known
+            parts.append(f"Rank {rank} waits in its {_op_name(pos.op)}{_batch_text(pos.op)}{_at(pos)}, but "
+                         f"rank {peer} is in {_op_name(other.op)}{_at(other)}, with no match for all of it")
+            continue
         verb, match = ("receive from", "send to") if receives(pos.op) else ("send to", "recv from")
         parts.append(f"Rank {rank} waits to {verb} rank {peer} ({_op_name(pos.op)}{_at(pos)}), but rank "
                      f"{peer} is in {_op_name(other.op)}{_at(other)}, with no {match} rank {rank}")

@@ -676,7 +676,9 @@ class _Plan:
         self.always_async = name in ASYNC_OPS  # returns a work to wait on, with no async_op to say so
         self.multi = name in MULTI_OPS
         self.objects = name in OBJECT_LISTS  # its compared argument is a list of objects: its length
-        self.split_sizes = _split_sizes if name in SPLIT_OPS else None  # read into the peer's place
+        # read into the peer's place: all_to_all_single's split sizes, a batch's sends and receives
+        self.split_sizes = _split_sizes if name in SPLIT_OPS else _batch_parts if name == BATCH_OP else None
+        self.computed_field = "batch" if name == BATCH_OP else "splits"
         self.seen: set[tuple] = set()  # (group, code, offset, nbytes) of the calls made
         self.last: tuple = (None, None, None, None)  # the last call's (group, code, offset, nbytes)
         copied = _passes_arguments_through(fn, signature)
@@ -732,7 +734,7 @@ class _Plan:
         if self.has_peer:
             fields += f',"{self.peer_field}":{json.dumps(_integer(peer))}'
         elif self.split_sizes is not None:
-            fields += f',"splits":{json.dumps(peer)}'
+            fields += f',"{self.computed_field}":{json.dumps(peer)}'
         if not blocking:
             fields += ',"async":true'
         return fields
@@ -803,6 +805,18 @@ def _split_sizes(args: tuple, kwargs: dict) -> list | None:
         rows = int(output.shape[0]) if getattr(output, "ndim", 0) else None
         return [rows, _ints(outs), _ints(ins)]
     except (TypeError, ValueError, AttributeError, IndexError):  # torch will say what is wrong
+        return None
+
+
+BATCH_OP = "batch_isend_irecv"
+
+
+def _batch_parts(args: tuple, kwargs: dict) -> list | None:
+    """batch_isend_irecv's ``[["send" or "recv", peer], ...]``, one per P2POp, as plain values."""
+    try:
+        ops = args[0] if args else kwargs.get("p2p_op_list")
+        return [["recv" if "recv" in getattr(op.op, "__name__", "") else "send", int(op.peer)] for op in ops]
+    except (TypeError, ValueError, AttributeError):  # torch will say what is wrong
         return None
 
 
