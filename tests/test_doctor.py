@@ -600,6 +600,25 @@ def _view_of_calls(calls, fr_threads):
     return view
 
 
+def test_a_rank_known_from_its_records_alone_is_compared_with_ranks_known_from_their_flight_recorder():
+    """Seen in a two-node accelerate job: rank 2, under 'if accelerator.is_local_main_process:',
+    reduced 1 float as collective #8 while ranks 1 and 3 issued DDP's 9; gloo aborted rank 2 before
+    it could answer, so only its record of the call reached the leader. Without p2p ops the two
+    sources number collectives alike."""
+    from helpers.doctor.records import RankView
+
+    views = {rank: RankView(rank) for rank in range(3)}
+    for rank in (0, 1):
+        views[rank].state = {"fr": [{"pg": "0", "collective_seq_id": 8, "profiling_name": "gloo:all_reduce",
+                                     "input_sizes": [[9]], "input_dtypes": ["Float"], "retired": False}]}
+    views[2].apply({"ev": "op", "id": 1, "op": "all_reduce", "pg": "0", "seq": 8, "t": 1.0, "shapes": [[1]],
+                    "dtypes": ["float32"], "where": "train.py:22", "file": "train.py", "line": 22})
+    histories = {rank: diagnosis_module.history(view) for rank, view in views.items()}
+    key, groups, present = diagnosis_module.first_divergence(histories, mixed=True)
+    assert key == ("0", 8) and sorted(present) == [0, 1, 2], present
+    assert diagnosis_module.first_divergence(histories) is None  # the Flight Recorder's ranks agree
+
+
 def test_two_threads_are_evidence_only_when_both_were_in_flight_at_the_end():
     main, other = ("140", True), ("977", False)
     turns = _view_of_calls([("all_reduce", 1, 19, 1.0, None), ("all_reduce", 2, 13, 1.2, None)],

@@ -703,7 +703,7 @@ def _own_frame(stack: list[dict[str, Any]]) -> dict[str, Any] | None:
 def _classify(positions: dict[int, Position], histories: dict[int, dict], views: dict[int, RankView]):
     """(kind, culprits, summary), and a cure when the evidence tells one that the culprits'
     positions do not (split sizes that do not pair up)."""
-    divergence = first_divergence(histories)
+    divergence = first_divergence(histories, mixed=not any(view.used_p2p for view in views.values()))
     python_histories = {rank: python_history(view) for rank, view in views.items()}
     python = first_divergence(python_histories)
     if python is not None and (divergence is None or (python[0][1], -len(python[2])) <
@@ -826,15 +826,18 @@ def _current_divergence(positions: dict[int, Position]):
     return (("0", -1), groups, waiting) if len(groups) > 1 else None
 
 
-def first_divergence(histories: dict[int, dict[tuple[str, int], Op]]):
+def first_divergence(histories: dict[int, dict[tuple[str, int], Op]], mixed: bool = False):
     """The lowest (group, seq) at which ranks that both issued it disagree.
 
     Returns (key, {signature: ranks}, {rank: op}) or None. Only histories from the same source
-    (Flight Recorder, or Python records) are compared: their numbers agree.
+    (Flight Recorder, or Python records) are compared, unless ``mixed`` (no rank used p2p ops, whose
+    numbers drift between the two): then a rank known from its Python records alone (one that died
+    before it could answer: a rank gloo aborted on another node) is compared with the others too.
     """
     sources = {rank: _source(h) for rank, h in histories.items() if h}
     fr_ranks = [r for r, s in sources.items() if s == "flight-recorder"]
-    ranks = fr_ranks if len(fr_ranks) >= 2 else [r for r, s in sources.items() if s == "python"]
+    python_ranks = [r for r, s in sources.items() if s == "python"]
+    ranks = (fr_ranks + python_ranks if mixed else fr_ranks) if len(fr_ranks) >= 2 else python_ranks
     keys = sorted({key for r in ranks for key in histories[r]}, key=lambda k: (k[0], k[1]))
     for key in keys:
         present = {r: histories[r][key] for r in ranks if key in histories[r]}
