@@ -1467,8 +1467,9 @@ def test_a_monitored_barrier_that_times_out_names_the_rank_that_never_came_not_t
     assert [entry.state for entry in found.per_rank[:2]] == ["exited", "exited"]
     assert found.per_rank[2].location in (f"{HERE}:{_line('loop')}", f"{HERE}:{_line('loop') + 1}")
     # its own timeout argument ended the wait, not the group's: the fix says which to raise
-    assert ("Rank 0 stopped waiting at monitored_barrier's own timeout (its timeout argument) (RuntimeError: "
-            "[Rank 0]: Rank 2 failed to pass monitoredBarrier in 1000 ms).") in found.summary, found.summary
+    assert ("Rank 0 stopped waiting at monitored_barrier's own timeout, not the process group's ("
+            "RuntimeError: [Rank 0]: Rank 2 failed to pass monitoredBarrier in 1000 ms).") in found.summary, \
+        found.summary
     assert found.fix.startswith(wording.MONITORED_TIMEOUT_CURE), found.fix
     leftovers.check()
 
@@ -2569,11 +2570,12 @@ def _main_only_barrier():
 
 
 def test_a_value_each_rank_computes_is_read_in_names_made_of_parts_not_in_settings():
-    for test in ("local_loss < 100", "val_loss_mean > best", "train_acc > 0.9", "f1_score > x",
+    for test in ("local_loss < 100", "val_loss_mean > best", "train_accuracy > 0.9", "f1_score > x",
                  "loss.item() > 3"):
         assert wording._per_rank_value(test), test
     for test in ("step % log_loss_every == 0", "step % eval_loss_steps == 0", "accelerator.is_main_process",
-                 "glossary", "'loss' in logs"):
+                 "glossary", "'loss' in logs", "scaler.loss_scale > 1024", "cfg.accuracy_threshold > 0",
+                 "step % grad_acc == 0", "use_loss_scaling", "loss_weight > 0", "score_fn is not None"):
         assert not wording._per_rank_value(test), test
 
 
@@ -2583,6 +2585,99 @@ def test_rank_conditional_lines_are_found_in_the_source():
     assert not source.rank_conditional(str(script.path), script.line("others"))
     loop = scenarios.get("stuck-compute")
     assert source.enclosing_loop(str(loop.path), loop.line("loop")) == loop.line("loop")
+
+
+_LOOPS_AND_TRIES = """\
+import os, sys, traceback
+def train(batches, patience):
+    for epoch in range(3):
+        for batch in batches:
+            step(batch)
+        if patience < epoch:
+            break
+    finish()
+def evaluate(batches):
+    for epoch in range(3):
+        for batch in batches:
+            step(batch)
+    finish()
+def metrics(x):
+    try:
+        reduce(x)
+    except Exception:
+        pass
+    try:
+        reduce(x)
+    except Exception:
+        traceback.print_exc()
+        sys.exit(1)
+    try:
+        reduce(x)
+    except KeyboardInterrupt:
+        pass
+    try:
+        try:
+            reduce(x)
+        finally:
+            x = None
+    except BaseException:
+        def later():
+            raise
+"""
+
+
+def test_the_loop_left_and_a_swallowing_except_are_read_from_the_source_as_they_mean(tmp_path):
+    path = tmp_path / "loops.py"
+    path.write_text(_LOOPS_AND_TRIES)
+    lines = _LOOPS_AND_TRIES.splitlines()
+
+    def at(text: str, nth: int = 0) -> int:
+        return [n for n, line in enumerate(lines, 1) if line.strip() == text][nth]
+
+    # a break of the epoch loop's own: the epoch loop; uneven batches alone: the batch loop
+    assert source.loop_left(str(path), at("step(batch)"), at("finish()")) == at("for epoch in range(3):")
+    batches = at("for batch in batches:", 1)
+    assert source.loop_left(str(path), at("step(batch)", 1), at("finish()", 1)) == batches
+    # an except that swallows any error; not one that exits, nor one for Ctrl-C; a try of only a
+    # finally passes to the try around it, whose nested function's raise is not the handler's own
+    swallowing = source.swallowing_handler
+    assert swallowing(str(path), at("reduce(x)")) == (at("except Exception:"), "except Exception:")
+    assert source.swallowing_handler(str(path), at("reduce(x)", 1)) is None
+    assert source.swallowing_handler(str(path), at("reduce(x)", 2)) is None
+    assert source.swallowing_handler(str(path), at("reduce(x)", 3)) == (at("except BaseException:"),
+                                                                        "except BaseException:")
+
+
+_RETRIES = """\
+import sys
+def main(batches):
+    for batch in range(batches):
+        all_reduce(batch)
+for attempt in range(3):
+    try:
+        sys.exit(main(2))
+    except ConnectionError:
+        continue
+"""
+
+
+def test_a_sys_exit_in_a_loop_that_holds_no_collectives_of_its_own_is_no_early_exit(tmp_path):
+    # a retry loop around main(): rank 1's batches ran out in main's loop, then sys.exit(main()) ended
+    # it; the retry loop holds its collectives only through the call
+    path = tmp_path / "retry.py"
+    path.write_text(_RETRIES)
+    site = {"file": str(path), "line": 7, "where": "retry.py:7"}
+    views = {rank: doctor.RankView(rank) for rank in (0, 1)}
+    for rank, calls in ((0, 3), (1, 2)):
+        for seq in range(1, calls + 1):
+            views[rank].apply({"ev": "op", "id": seq, "op": "all_reduce", "pg": "0", "seq": seq,
+                               "t": float(seq), "where": "retry.py:4", "file": str(path), "line": 4,
+                               **({"te": seq + 0.5, "ok": True} if seq < 3 else {})})
+    views[1].apply({"ev": "exit", "status": "finished", "t": 3.0, "exit_site": site})
+    views[1].ended, views[1].exit_code = True, 0
+    found = doctor.diagnose(views, 2, "stall", 1.0)
+    assert (found.kind, found.ranks) == ("rank-exited", [1]), found.text()
+    assert "left through" not in found.summary and "ran out first on rank 1" in found.summary, found.summary
 
 
 def test_diagnosis_json_has_exactly_the_documented_fields():

@@ -39,8 +39,10 @@ from helpers.doctor.source import (
     faulthandler_stack,
     faulthandler_threads,
     goes_first_block,
+    in_loop_body,
     opposite_branches,
     rank_conditional,
+    share_a_loop,
     source_line,
 )
 from helpers.rundir import describe_exit
@@ -349,7 +351,7 @@ def _position(view: RankView) -> Position:
     exit_record = view.exit or {}
     if view.ended and view.exit_code == 0 and exit_record.get("status") == "finished":
         pos = Position(view.rank, "finished", exit_code=0, seq=view.last_seq() or None)
-        _place_exit_call(pos, exit_record)
+        _place_exit_call(pos, exit_record, view)
         return pos
     pos = _current(view)
     if not view.ended and view.exit is None:
@@ -379,8 +381,8 @@ def _position(view: RankView) -> Position:
     else:
         known = view.exit_code is not None
         pos.detail = describe_exit(view.exit_code) if known else "ended (no exit recorded)"
-        pos.fatal = _fatal_signal(view)
-        if pos.fatal is not None and known and pos.fatal != -view.exit_code:
+        pos.fatal = _fatal_signal(view) if known and view.exit_code < 0 else None  # a child's dump: not its
+        if pos.fatal is not None and pos.fatal != -view.exit_code:
             then = describe_exit(view.exit_code).removeprefix("killed by ")
             pos.detail = f"{describe_exit(-pos.fatal)} (then {then}, a second fault as its stack was dumped)"
         if exit_record.get("status") == "vanished":  # gone, never said how (the doctor in a job)
@@ -395,23 +397,32 @@ def _position(view: RankView) -> Position:
         if pos.op is None and last is not None:
             pos.where, pos.file, pos.line = last.where, last.file, last.line
         if exit_record.get("status") == "exited":  # a non-zero sys.exit(): inside a loop, its line
-            _place_exit_call(pos, exit_record)
+            _place_exit_call(pos, exit_record, view)
     return pos
 
 
-_EXIT_CALL = re.compile(r"\b(?:sys\.exit|exit|quit)\([^()]*\)")  # 'sys.exit(0)', 'exit()' in its line
+# 'sys.exit(0)', 'exit()', 'sys.exit(main())', 'raise SystemExit(2)' in the line that raised it
+_EXIT_CALL = re.compile(r"\b(?:sys\.exit|exit|quit)\((?:[^()]|\([^()]*\))*\)"
+                        r"|\braise SystemExit\b(?:\([^()]*\))?")
 
 
-def _place_exit_call(pos: Position, exit_record: dict) -> None:
-    """A rank that left through ``sys.exit()`` (or ``exit()``) inside a loop, early, while the loop
-    may still have held collectives for the others: placed at that call ('' when the call is outside
-    any loop, as ``sys.exit(main())`` at a script's end is)."""
+def _place_exit_call(pos: Position, exit_record: dict, view: RankView) -> None:
+    """A rank that left through ``sys.exit()`` (or ``exit()``) in a turn of a loop that holds its
+    collectives, early, while the loop may still have held collectives for the others: placed at
+    that call. Not for one outside any loop (``sys.exit(main())`` at a script's end), in a loop's
+    ``else``, or in a loop of no collectives of its own (a retry loop around ``main()`` holds them
+    only through the call)."""
     site = exit_record.get("exit_site")
-    if not isinstance(site, dict) or enclosing_loop(site.get("file"), site.get("line")) is None:
+    if not isinstance(site, dict):
+        return
+    file, line = site.get("file"), site.get("line")
+    header = enclosing_loop(file, line)
+    if header is None or not in_loop_body(file, header, line) or not any(
+            op.file == file and op.line and share_a_loop(file, line, op.line) for op in view.python_ops()):
         return
     found = _EXIT_CALL.search(source_line(site))
-    pos.exit_call = found.group(0) if found else "SystemExit"
-    pos.where, pos.file, pos.line = site.get("where"), site.get("file"), site.get("line")
+    pos.exit_call = found.group(0) if found else "a SystemExit"
+    pos.where, pos.file, pos.line = site.get("where"), file, line
 
 
 # faulthandler's header at each fatal signal it handles (Modules/faulthandler.c)

@@ -274,9 +274,11 @@ def enclosing_function(filename: str | None, line: int | None) -> int | None:
 
 
 def loop_left(filename: str | None, inside: int | None, after: int | None) -> int | None:
-    """The header line of the outermost loop around line ``inside`` that line ``after`` lies past the
-    end of, in the same function (None when there is none): a rank at ``after`` has left the loop
-    that a rank at ``inside`` is still in (an epoch loop left by a break, not only its batch loop)."""
+    """The header line of the loop around line ``inside`` that line ``after`` lies past the end of,
+    in the same function (None when there is none): a rank at ``after`` has left the loop that a rank
+    at ``inside`` is still in. Of nested loops it has left, the innermost (uneven batches run out in
+    the batch loop, every epoch alike), unless an outer one holds a break or return of its own (an
+    early stop leaves the epoch loop)."""
     loops = _loops_around(filename, inside)
     if not loops or after is None or after <= (loops[0].end_lineno or after):
         return None
@@ -284,7 +286,11 @@ def loop_left(filename: str | None, inside: int | None, after: int | None) -> in
     if scope is not None and after > (scope.end_lineno or 0):
         return None
     left = [loop for loop in loops if after > (loop.end_lineno or after)]  # innermost first, nested
-    return left[-1].lineno
+    for loop in reversed(left[1:]):  # an outer loop a break or return of its own can leave early
+        exits = loop_exits(filename, loop.lineno, inside)
+        if any(keyword in ("break", "return") for keyword, _line, _test in exits):
+            return loop.lineno
+    return left[0].lineno  # as uneven batches leave a batch loop inside an epoch loop: the innermost
 
 
 def swallowing_handler(filename: str | None, line: int | None) -> tuple[int, str] | None:
@@ -294,16 +300,44 @@ def swallowing_handler(filename: str | None, line: int | None) -> tuple[int, str
     parsed = _tree(filename)
     if parsed is None or line is None:
         return None
-    tries = [node for node in ast.walk(parsed[0]) if isinstance(node, ast.Try) and node.body
-             and node.body[0].lineno <= line <= (node.body[-1].end_lineno or 0)]
-    if not tries:
+    tries = [node for node in ast.walk(parsed[0]) if isinstance(node, ast.Try) and node.handlers
+             and node.body and node.body[0].lineno <= line <= (node.body[-1].end_lineno or 0)]
+    if not tries:  # (a try with only a finally is passed over for the one around it)
         return None
     innermost = max(tries, key=lambda node: node.lineno)
     for handler in innermost.handlers:
-        if not any(isinstance(node, ast.Raise) for node in ast.walk(handler)):
+        if _catches_errors(handler) and not _leaves(handler):
             caught = f" {ast.unparse(handler.type)}" if handler.type is not None else ""
             return handler.lineno, f"except{caught}{f' as {handler.name}' if handler.name else ''}:"
     return None
+
+
+_CATCH_ALL = {"Exception", "BaseException"}
+_ENDS_PROCESS = {"exit", "_exit", "quit", "abort"}  # sys.exit, os._exit, exit(), os.abort
+
+
+def _catches_errors(handler: ast.ExceptHandler) -> bool:
+    """Does it catch any error (a bare except, Exception, BaseException, or a tuple with one), as
+    a computation's ZeroDivisionError or KeyError would be caught?"""
+    if handler.type is None:
+        return True
+    names = handler.type.elts if isinstance(handler.type, ast.Tuple) else [handler.type]
+    return any(_text(name).rsplit(".", 1)[-1] in _CATCH_ALL for name in names)
+
+
+def _leaves(handler: ast.ExceptHandler) -> bool:
+    """Does the handler re-raise or end the process (a raise, sys.exit(), os._exit()), its own
+    statements read, not those of a function or class defined in it?"""
+    nodes = list(handler.body)
+    while nodes:
+        node = nodes.pop()
+        if isinstance(node, ast.Raise):
+            return True
+        if isinstance(node, ast.Call) and _text(node.func).rsplit(".", 1)[-1] in _ENDS_PROCESS:
+            return True
+        if not isinstance(node, _SCOPES):
+            nodes.extend(ast.iter_child_nodes(node))
+    return False
 
 
 def share_a_loop(filename: str | None, line: int | None, other: int | None) -> bool:

@@ -812,10 +812,12 @@ def loop_exits_text(file: str, header: int, call_line: int, after: int | None = 
 
 _PER_RANK = re.compile(r"\b(loss|nan|isnan|isinf|isfinite|time|perf_counter|monotonic|random|rand|"
                        r"randint|batch|grad|norm)\b", re.IGNORECASE)
-# a name with such a word as one of its parts: local_loss, val_loss_mean, train_acc, f1_score (not a
-# setting's: log_loss_every, eval_loss_steps)
-_PER_RANK_PART = re.compile(r"\b(?:\w+_)?(loss|losses|acc|accuracy|score)(?:_\w+)?\b", re.IGNORECASE)
-_SETTING = re.compile(r"_(every|steps|interval|freq|frequency)$", re.IGNORECASE)
+# a name with such a word as one of its parts: local_loss, val_loss_mean, train_accuracy, f1_score; not
+# an attribute (args.loss_type, scaler.loss_scale: a setting's) nor a setting's own name (log_loss_every,
+# loss_weight, use_loss_scaling, accuracy_threshold)
+_PER_RANK_PART = re.compile(r"(?<![\w.])(?:\w+_)?(loss|losses|accuracy|score)(?:_\w+)?\b", re.IGNORECASE)
+_SETTING = re.compile(r"(_(every|steps|interval|freq|frequency|scale|scaling|type|fn|func|weight|weights|"
+                      r"threshold|name|mode|kind|coef|factor)$)|^(use|num|max|min)_", re.IGNORECASE)
 _STRING = re.compile(r"""(['"]).*?\1""")  # a literal in a test: its words are not values
 
 
@@ -1178,7 +1180,7 @@ def missing_summary(missing: list[int], positions: dict[int, Position]) -> str:
         where.append(f"rank {rank} is {what}".rstrip()
                      + (f" ({pos.where})" if pos.where and pos.where not in what else ""))
     given_up = gave_up(positions)
-    which = ("monitored_barrier's own timeout (its timeout argument)" if monitored_timeout(positions)
+    which = ("monitored_barrier's own timeout, not the process group's" if monitored_timeout(positions)
              else "the process group's timeout")
     ended = (f" {ranks_text(given_up)} stopped waiting at {which} ("
              f"{short_error(positions[given_up[0]].op.error)})." if given_up else "")
@@ -1187,7 +1189,8 @@ def missing_summary(missing: list[int], positions: dict[int, Position]) -> str:
 
 _TORCH_TIMEOUT = re.compile(r"timed out|timeout|failed to pass monitoredBarrier", re.IGNORECASE)
 # torch's monitored_barrier when its own timeout passes ('Rank 1 failed to pass monitoredBarrier in 2000
-# ms'; ProcessGroupGloo.cpp): the timeout argument, or the group's when that is None
+# ms'; ProcessGroupGloo.cpp): its timeout argument, or with None torch's default for the backend (30
+# minutes on gloo; distributed_c10d.py's monitored_barrier: _get_default_timeout), not the group's
 _MONITORED = re.compile(r"failed to pass monitoredBarrier in \d+ ms")
 
 
@@ -1198,8 +1201,9 @@ def monitored_timeout(positions: dict[int, Position]) -> bool:
 
 MONITORED_TIMEOUT_CURE = (
     "monitored_barrier(timeout=...) waits that long for every rank whatever the process group's timeout "
-    "(the group's is used only when that argument is None): if the missing rank's work is slow rather "
-    "than stuck, raise that timeout argument, or do the slow work on every rank, or after the barrier.")
+    "(with timeout=None, torch's default for the backend: 30 minutes on gloo, not the group's): if the "
+    "missing rank's work is slow rather than stuck, raise that timeout argument, or do the slow work on "
+    "every rank, or after the barrier.")
 
 
 def gave_up(positions: dict[int, Position]) -> list[int]:
