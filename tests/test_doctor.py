@@ -1667,6 +1667,26 @@ def test_a_collective_in_a_try_whose_except_swallows_a_ranks_error_is_named_with
     leftovers.check()
 
 
+def _destroys_its_group_early():
+    import torch
+    import torch.distributed as dist
+
+    for step in range(4):
+        dist.all_reduce(torch.ones(4))
+        if dist.get_rank() == 1 and step == 1:
+            dist.destroy_process_group()  # line: destroyed early
+            break
+    _stay_away()
+
+
+def test_a_rank_that_destroyed_the_group_while_others_needed_it_is_said_to_have(leftovers):
+    found = _failed_run(_destroys_its_group_early)
+    assert found.ranks == [1], found.text()
+    assert (f", after it destroyed the default process group at {HERE}:{_line('destroyed early')} "
+            "(destroy_process_group)") in found.summary, found.summary
+    leftovers.check()
+
+
 def _logs_when_its_loss_is_high():
     import torch
     import torch.distributed as dist

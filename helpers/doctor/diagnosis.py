@@ -348,6 +348,13 @@ def rank_branch(pos: Position) -> str | None:
 
 
 def _position(view: RankView) -> Position:
+    pos = _position_of(view)
+    if view.destroyed is not None and pos.state != "in-collective":
+        pos.destroyed_at = str(view.destroyed.get("where") or "")
+    return pos
+
+
+def _position_of(view: RankView) -> Position:
     exit_record = view.exit or {}
     if view.ended and view.exit_code == 0 and exit_record.get("status") == "finished":
         pos = Position(view.rank, "finished", exit_code=0, seq=view.last_seq() or None)
@@ -850,8 +857,10 @@ def first_divergence(histories: dict[int, dict[tuple[str, int], Op]], mixed: boo
     python_ranks = [r for r, s in sources.items() if s == "python"]
     ranks = (fr_ranks + python_ranks if mixed else fr_ranks) if len(fr_ranks) >= 2 else python_ranks
     keys = sorted({key for r in ranks for key in histories[r]}, key=lambda k: (k[0], k[1]))
-    for key in keys:
-        present = {r: histories[r][key] for r in ranks if key in histories[r]}
+    own = "flight-recorder" if len(fr_ranks) >= 2 else "python"
+    for key in keys:  # a rank of the other source, only with the shapes it passed (a barrier has none)
+        present = {r: histories[r][key] for r in ranks if key in histories[r]
+                   and (sources[r] == own or histories[r][key].shapes is not None)}
         if len(present) < 2:
             continue
         groups = _grouped(present)

@@ -114,6 +114,7 @@ class RankView:
     silent: bool = False  # its helper thread did not answer: its stack came from py-spy
     workers: list[dict[str, Any]] = field(default_factory=list)  # its DataLoader workers' stacks (py-spy)
     used_p2p: bool = False  # a p2p op was recorded: the groups' progress numbers differ from "seq"
+    destroyed: dict[str, Any] | None = None  # its destroy_process_group's record (where it was called)
 
     def apply(self, event: dict[str, Any]) -> None:
         """Fold one trace record into the view."""
@@ -132,6 +133,8 @@ class RankView:
                 self._progress(event["pg"], event["t"])
         elif kind == "hello":
             self.hello = True
+        elif kind == "destroy":  # the default group destroyed (destroy_process_group), from this line
+            self.destroyed = event
 
     def _start(self, event: dict[str, Any]) -> None:
         op = Op(op=event["op"], pg=event.get("pg", "0"), seq=event.get("seq"), shapes=event.get("shapes"),
@@ -283,6 +286,7 @@ class Position:
     #                           as it dumped its stack gave its exit status another signal)
     victim: bool = False  # raised inside a collective (a consequence, not a cause)
     exit_call: str = ""  # the sys.exit() / exit() it left through inside a loop ('sys.exit(0)'), at ``where``
+    destroyed_at: str = ""  # where it destroyed the default group ('train.py:10'), when it did
     timed_out: bool = False  # its wait was ended from outside: torch's timeout, or a signal as it waited
     callers: list[tuple[str, int, str]] = field(default_factory=list)  # the user's frames it was called
     #                                     from, outermost first: (file, line, where)

@@ -895,7 +895,8 @@ def exited_summary(culprits: list[int], positions: dict[int, Position]) -> str:
     finished = [rank for rank in culprits
                 if positions[rank].state == "finished" and not positions[rank].exit_call]
     its = "its" if len(finished) == 1 else "their"
-    sentences = [f"{ranks_text(finished)} finished {its} work"] if finished else []
+    destroyed = _destroyed_text(positions[finished[0]]) if len(finished) == 1 else ""
+    sentences = [f"{ranks_text(finished)} finished {its} work{destroyed}"] if finished else []
     sentences += [f"Rank {rank} {_exit_call_text(positions[rank])}" for rank in culprits
                   if positions[rank].state == "finished" and positions[rank].exit_call]
     alike: dict[tuple[str, str | None], list[int]] = {}  # ranks that ended the same way at one line
@@ -1161,6 +1162,14 @@ def _all_in_init(positions: dict[int, Position]) -> str:
         f" at {sites}" if sites else "")
 
 
+def _destroyed_text(pos: Position) -> str:
+    """', after it destroyed the default process group at train.py:10 (destroy_process_group)': the
+    others' collectives then fail with 'Connection closed by peer' ('' when it did not)."""
+    if not pos.destroyed_at:
+        return ""
+    return f", after it destroyed the default process group at {pos.destroyed_at} (destroy_process_group)"
+
+
 def missing_summary(missing: list[int], positions: dict[int, Position]) -> str:
     """Which ranks never reached the collective the others wait in, and where they are instead."""
     waiting = [p for p in positions.values() if p.state == "in-collective" or p.victim]
@@ -1178,7 +1187,8 @@ def missing_summary(missing: list[int], positions: dict[int, Position]) -> str:
         pos = positions[rank]
         what = pos.detail or ("outside any collective" if not pos.where else "")
         where.append(f"rank {rank} is {what}".rstrip()
-                     + (f" ({pos.where})" if pos.where and pos.where not in what else ""))
+                     + (f" ({pos.where})" if pos.where and pos.where not in what else "")
+                     + _destroyed_text(pos))
     given_up = gave_up(positions)
     which = ("monitored_barrier's own timeout, not the process group's" if monitored_timeout(positions)
              else "the process group's timeout")

@@ -263,11 +263,14 @@ class Tracer:
         bodies = [inspect.unwrap(fn) for fn in originals.values() if fn is not None]
         _inner_codes.update(id(body.__code__) for body in bodies if hasattr(body, "__code__"))
         originals[INIT_OP] = getattr(c10d, INIT_OP, None)
+        originals[DESTROY_OP] = getattr(c10d, DESTROY_OP, None)
         for name, original in originals.items():
             if original is None or getattr(original, "_helpers_traced", False):
                 continue
             if name == INIT_OP:
                 wrapped = _wrap_init(original)
+            elif name == DESTROY_OP:
+                wrapped = _wrap_destroy(original)
             else:
                 wrapped = _wrap(name, original, _Plan(name, original))
             for module in (dist, c10d):
@@ -314,6 +317,27 @@ def _wrap_init(original: Callable) -> Callable:
 
     traced_init._helpers_traced = True  # type: ignore[attr-defined]
     return traced_init
+
+
+DESTROY_OP = "destroy_process_group"
+
+
+def _wrap_destroy(original: Callable) -> Callable:
+    """``destroy_process_group`` traced: the default group's destruction is recorded (``"ev":
+    "destroy"``, on file before it runs) with the user's line. A rank that destroys it while the
+    others still issue collectives fails them ('Connection closed by peer'), wherever it goes next."""
+
+    @functools.wraps(original)
+    def traced_destroy(*args: Any, **kwargs: Any) -> Any:
+        tracer = current
+        if tracer is not None and (args[0] if args else kwargs.get("group")) is None:
+            frame = user_frame(sys._getframe(1))
+            site = site_json(frame.f_code, frame.f_lasti) if frame is not None else ""
+            tracer._drain_locked([f'{{"ev":"destroy"{site},"t":{_SECONDS % time.time()}}}\n'], True)
+        return original(*args, **kwargs)
+
+    traced_destroy._helpers_traced = True  # type: ignore[attr-defined]
+    return traced_destroy
 
 
 _URL_WORLD = re.compile(r"[?&]world_size=(\d{1,9})\b")
