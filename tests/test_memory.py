@@ -64,6 +64,19 @@ def test_probe_fits_then_really_runs_out_of_memory_without_harming_the_caller(le
     leftovers.check()
 
 
+def test_the_fit_takes_a_larger_batch_to_need_at_least_a_smaller_ones_memory():
+    """CI's points (MiB = 1,048,576 bytes): 23, 29 and 30 fitted, 31 did not; the peak read at 30
+    was below 29's. A line through them as read predicted 43 under the 64 MiB budget."""
+    from helpers.memory.results import Probe
+    from helpers.memory.search import fit_memory
+
+    read = [(1, 1_032_192), (23, 48_594_944), (29, 61_267_968), (30, 49_934_336)]
+    probes = [Probe(size, True, peak, 0.1, capped_bytes=peak) for size, peak in read]
+    probes.append(Probe(31, False, None, 0.1, error="DefaultCPUAllocator: can't allocate memory"))
+    fit = fit_memory(probes)
+    assert fit is not None and fit.limit(64 * 1_048_576) in range(30 - 3, 31 + 3), fit
+
+
 def test_both_strategies_on_one_rank(leftovers):
     result = memory.explore("mlp", BUDGET, START, "both")
     search, baseline = result.search, result.accelerate
