@@ -212,8 +212,10 @@ REPEATED_CALL_CURE = (
 
 UNEVEN_LOOP_CURE = (
     "Give every rank the same number of iterations: keep accelerate's even_batches=True (its default: "
-    "the last batch is filled with samples from the start), or torch's DistributedSampler (drop_last=False "
-    "pads with repeated samples, drop_last=True drops the remainder), and decide a break on every rank "
+    "the last batch is filled with samples from the start; it applies to a DataLoader given to "
+    "accelerator.prepare, which shards it, not to one built per rank by hand), or torch's "
+    "DistributedSampler (drop_last=False pads with repeated samples, drop_last=True drops the "
+    "remainder), and decide a break on every rank "
     "together (accelerator.set_trigger() / accelerator.check_trigger()). For inputs uneven on purpose: "
     "DDP's join (torch.distributed.algorithms.Join; accelerator.join_uneven_inputs([model]) for DDP on "
     "GPUs). If the iterations match, one rank skips a collective inside the loop: decide model.no_sync() "
