@@ -995,12 +995,19 @@ def swallowed_text(positions: Iterable[Position | None]) -> str:
 def _deciding_condition(pos: Position) -> str:
     """' Rank 1's call is under 'if time.time() - last > 30:' at train.py:16, a condition each rank
     decides for itself.' (``decided_per_rank``), or '..., a branch on the rank.'; '' otherwise."""
-    on_rank = rank_condition(pos.file, pos.line)
-    found = on_rank or decided_per_rank(pos.file, pos.line)
+    under = _under_condition(pos.file, pos.line)
+    return f" Rank {pos.rank}'s call is {under}." if under else ""
+
+
+def _under_condition(file: str | None, line: int | None) -> str:
+    """"under 'if rank == 1:' at train.py:10, a branch on the rank", or "under 'if loss < best:' at
+    ..., a condition each rank decides for itself" for the innermost such ``if`` around a line; ''."""
+    on_rank = rank_condition(file, line)
+    found = on_rank or decided_per_rank(file, line)
     if found is None:
         return ""
     what = "a branch on the rank" if on_rank else DECIDES_ITSELF
-    return f" Rank {pos.rank}'s call is under {_branch_words(found, pos.file)}, {what}."
+    return f"under {_branch_words(found, file or '')}, {what}"
 
 
 def decided_per_rank(file: str | None, line: int | None) -> tuple[int, str, str] | None:
@@ -1043,11 +1050,8 @@ def _exit_call_text(pos: Position, code: str = "") -> str:
     and step == 3:' at train.py:10, a branch on the rank)": an early exit in a loop, on this rank."""
     loop = enclosing_loop(pos.file, pos.line)
     inside = f", inside the loop at {Path(pos.file or '').name}:{loop}" if loop else ""
-    branch = rank_condition(pos.file, pos.line)
-    found = branch or decided_per_rank(pos.file, pos.line)
-    under = (f" (under {_branch_words(found, pos.file or '')}, "
-             f"{'a branch on the rank' if branch else DECIDES_ITSELF})") if found else ""
-    return f"left through {pos.exit_call}{code}{_at(pos)}{inside}{under}"
+    under = _under_condition(pos.file, pos.line)
+    return f"left through {pos.exit_call}{code}{_at(pos)}{inside}{f' ({under})' if under else ''}"
 
 
 def _ended_how(pos: Position, several: bool) -> str:
@@ -1078,7 +1082,7 @@ def _branch_text(pos: Position) -> str:
 def _in_a_branch(site: tuple[str, int], pos: Position | None) -> bool:
     """Is a rank's call at ``site`` under a branch on the rank (its own line's, or a caller's, when
     the rank is still there) or under a condition each rank decides for itself?"""
-    if rank_condition(*site) or decided_per_rank(*site):
+    if _under_condition(*site):
         return True
     return pos is not None and pos.op is not None and (pos.file, pos.line) == site and bool(_branch_site(pos))
 
@@ -1285,7 +1289,8 @@ def group_text(op: Op, members: dict[str, list[int]]) -> str:
 
 def receives(op: Op) -> bool:
     """Is a p2p op a receive (recv, irecv), not a send (nor a batch of both)?"""
-    return "recv" in canonical_op(op.op) and not op.batch and canonical_op(op.op) != "batch_isend_irecv"
+    name = canonical_op(op.op)
+    return "recv" in name and name != "batch_isend_irecv"
 
 
 def _batch_text(op: Op) -> str:

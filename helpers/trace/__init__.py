@@ -132,6 +132,12 @@ def joined() -> bool:
     return tracer is not None and tracer.joined
 
 
+def exit_site(exit_call: SystemExit | None) -> dict[str, Any] | None:
+    """Where a SystemExit was raised (``sys.exit()``, ``exit()``): its traceback's innermost user
+    frame; None without one."""
+    return traceback_site(exit_call.__traceback__) if exit_call is not None else None
+
+
 def finish(status: str, error: BaseException | None = None, exit_call: SystemExit | None = None) -> None:
     """Write the rank's last records: how it ended, its final progress and Flight Recorder tail.
 
@@ -143,7 +149,7 @@ def finish(status: str, error: BaseException | None = None, exit_call: SystemExi
     if tracer is None:
         return
     record: dict[str, Any] = {"ev": "exit", "status": status, "t": time.time(), "pg": group_progress()}
-    site = traceback_site(exit_call.__traceback__) if exit_call is not None else None
+    site = exit_site(exit_call)
     if site:
         record["exit_site"] = site
     if error is not None:

@@ -561,7 +561,7 @@ def _wrap(name: str, original: Callable, plan: _Plan) -> Callable:
 # this file.
 _TRACED_LINE = sys._getframe().f_lineno + 1  # the first line of the text below, in this file
 _TRACED_SOURCE = """def make(original, plan, caller, now, world, sequence, inner, thread):
-    seen, split_sizes = plan.seen, plan.split_sizes
+    seen, computed = plan.seen, plan.computed
 
     def traced($params):
         tracer = current
@@ -701,7 +701,7 @@ class _Plan:
         self.multi = name in MULTI_OPS
         self.objects = name in OBJECT_LISTS  # its compared argument is a list of objects: its length
         # read into the peer's place: all_to_all_single's split sizes, a batch's sends and receives
-        self.split_sizes = _split_sizes if name in SPLIT_OPS else _batch_parts if name == BATCH_OP else None
+        self.computed = _split_sizes if name in SPLIT_OPS else _batch_parts if name == BATCH_OP else None
         self.computed_field = "batch" if name == BATCH_OP else "splits"
         self.seen: set[tuple] = set()  # (group, code, offset, nbytes) of the calls made
         self.last: tuple = (None, None, None, None)  # the last call's (group, code, offset, nbytes)
@@ -717,14 +717,14 @@ class _Plan:
             call = ", ".join(self.params)
             texts = {name: where[1] if where is not _ABSENT else "None" for name, where in self._places()}
             texts.update(params=call, call=call, **self._flags())
-            if self.split_sizes is not None:
-                texts["peer"] = f"split_sizes(({call},), {{}})"
+            if self.computed is not None:
+                texts["peer"] = f"computed(({call},), {{}})"
             return texts
         texts = {name: (f"(args[{where[0]}] if len(args) > {where[0]} else kwargs.get({where[1]!r}))"
                         if where is not _ABSENT else "None") for name, where in self._places()}
         texts.update(params="*args, **kwargs", call="*args, **kwargs", **self._flags())
-        if self.split_sizes is not None:
-            texts["peer"] = "split_sizes(args, kwargs)"
+        if self.computed is not None:
+            texts["peer"] = "computed(args, kwargs)"
         return texts
 
     def _flags(self) -> dict[str, str]:
@@ -757,7 +757,7 @@ class _Plan:
         fields += _objects_json(tensors) if self.objects else _tensors_json(tensors)
         if self.has_peer:
             fields += f',"{self.peer_field}":{json.dumps(_integer(peer))}'
-        elif self.split_sizes is not None:
+        elif self.computed is not None:
             fields += f',"{self.computed_field}":{json.dumps(peer)}'
         if not blocking:
             fields += ',"async":true'
@@ -772,8 +772,8 @@ def _copied_signature(signature: inspect.Signature, plan: _Plan) -> tuple[list[s
     that parameter into that very name (``group = group``: it passes on what it was given)."""
     names = list(signature.parameters)
     roles = {"group": plan.group, "tensors": plan.compared, "peer": plan.peer_at}
-    if plan.split_sizes is not None:
-        del roles["peer"]  # a split op's peer is computed, not read
+    if plan.computed is not None:
+        del roles["peer"]  # a split op's or a batch's peer is computed, not read
     read_as_itself = {local for local, where in roles.items() if where[1] == local}
     parameters = signature.parameters.values()
     if (any(each.kind is not inspect.Parameter.POSITIONAL_OR_KEYWORD for each in parameters)
