@@ -20,7 +20,7 @@ import psutil
 import pytest
 from conftest import marker_line
 
-from helpers import collectives, doctor, procs, repro, scenarios
+from helpers import collectives, doctor, procs, repro, rundir, scenarios
 from helpers.doctor import diagnosis as diagnosis_module
 from helpers.doctor import source, wording
 from helpers.launch import LaunchTimeout, RankError, RankExited, launch
@@ -2751,7 +2751,9 @@ def test_a_torchrun_run_past_its_deadline_leaves_no_worker(tmp_path, monkeypatch
     assert found == ("hang", "rank-missing", [1]), diagnosis.text()
     assert diagnosis.per_rank[0].op == "barrier"
     sleep_line = next(n for n, line in enumerate(_HANG_FOREVER.splitlines(), 1) if "time.sleep" in line)
-    assert diagnosis.per_rank[1].location == f"{script.name}:{sleep_line}", diagnosis.text()
+    stack = rundir.stack_path(tmp_path / "trace", 1)
+    dumped = stack.read_text() if stack.exists() else "(no stack file)"
+    assert diagnosis.per_rank[1].location == f"{script.name}:{sleep_line}", f"{diagnosis.text()}\n{dumped}"
     leftovers.check()
 
 
