@@ -101,9 +101,22 @@ def stop_processes(victims: list[Any], grace_s: float = KILL_GRACE_S) -> None:
     psutil.wait_procs(alive, timeout=grace_s)
 
 
-def stop_tree(proc: subprocess.Popen, grace_s: float = KILL_GRACE_S) -> None:
-    """Stop ``proc`` and all its descendants (see ``stop_processes``), then reap ``proc``."""
-    stop_processes(tree_of([proc.pid]), grace_s)
+def stop_tree(proc: subprocess.Popen, grace_s: float = KILL_GRACE_S, forwards: bool = False) -> None:
+    """Stop ``proc`` and all its descendants (see ``stop_processes``), then reap ``proc``.
+
+    ``forwards``: ``proc`` stops its own children on SIGTERM (torchrun's agent does). It alone is
+    signalled first, and what is left of its tree ``grace_s`` later: a child signalled by both
+    would get its second SIGTERM a few milliseconds after the first, as faulthandler writes its
+    stack, and die with the dump cut short (the chained handler takes a nested signal at once).
+    """
+    victims = tree_of([proc.pid])  # before the root may end: its children then belong to nobody
+    if forwards and victims and victims[0].pid == proc.pid:
+        import psutil
+
+        _quietly(victims[0].terminate)
+        psutil.wait_procs(victims[:1], timeout=grace_s)
+        victims = [victim for victim in victims if victim.is_running()]
+    stop_processes(victims, grace_s)
     try:
         proc.wait(timeout=grace_s)
     except subprocess.TimeoutExpired:
@@ -120,13 +133,14 @@ def _quietly(action: Callable[[], Any]) -> None:
 
 
 def run_process(argv: list[str], timeout_s: float, env: dict[str, str] | None = None,
-                cwd: str | Path | None = None) -> tuple[int | None, str, float]:
+                cwd: str | Path | None = None, forwards: bool = False) -> tuple[int | None, str, float]:
     """Run ``argv``; return (exit code, or None past the deadline; its output; seconds).
 
     The child dies with the caller (PR_SET_PDEATHSIG). Past ``timeout_s``, or on KeyboardInterrupt
-    (re-raised), the child and every descendant are stopped (``stop_tree``).
+    (re-raised), the child and every descendant are stopped (``stop_tree``; ``forwards``: the
+    child stops its own children on SIGTERM, as torchrun does).
     """
-    [(code, output, seconds)] = run_processes([argv], timeout_s, env, [cwd])
+    [(code, output, seconds)] = Started([argv], env, [cwd], forwards).wait(timeout_s)
     return code, output, seconds
 
 
@@ -141,8 +155,9 @@ class Started:
     """Programs started together, each dying with the caller, their output kept in temp files."""
 
     def __init__(self, argvs: list[list[str]], env: dict[str, str] | None = None,
-                 cwds: list[str | Path | None] | None = None):
+                 cwds: list[str | Path | None] | None = None, forwards: bool = False):
         self.t0 = time.monotonic()
+        self.forwards = forwards  # each program stops its own children on SIGTERM (``stop_tree``)
         self.sinks = [tempfile.TemporaryFile() for _ in argvs]
         self.procs: list[subprocess.Popen] = []
         try:
@@ -182,7 +197,7 @@ class Started:
     def _finish(self, ended: dict[int, Any]) -> list[str]:
         for index, proc in enumerate(self.procs):
             if index not in ended:  # still running (deadline, Ctrl-C): never after a wait reaped it
-                stop_tree(proc)
+                stop_tree(proc, forwards=self.forwards)
         outputs = []
         for sink in self.sinks:
             sink.seek(0)

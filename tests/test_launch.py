@@ -392,3 +392,42 @@ def test_launcher_killed_with_sigkill_leaves_nothing(tmp_path, leftovers):
         time.sleep(0.05)
     assert not _run_dirs() - dirs_before
     leftovers.check()
+
+
+_FORWARDING_PARENT = """
+import os, signal, subprocess, sys
+child = subprocess.Popen([sys.executable, "-c", sys.argv[1], sys.argv[2]], start_new_session=True)
+
+def forward(signum, frame):  # as torchrun's agent does: stop the workers, wait for them, leave
+    child.send_signal(signal.SIGTERM)
+    child.wait(30)
+    os._exit(0)
+
+signal.signal(signal.SIGTERM, forward)
+child.wait()
+"""
+
+_COUNTING_CHILD = """
+import os, signal, sys
+signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM})
+print("ready", flush=True)
+info = signal.sigtimedwait({signal.SIGTERM}, 60)
+with open(sys.argv[1], "w") as handle:
+    handle.write(str(info.si_pid if info else None))
+"""
+
+
+def test_a_tree_whose_root_forwards_sigterm_gets_it_from_the_root_alone(tmp_path, leftovers):
+    # a worker signalled by the stop and by torchrun a few ms apart dies as faulthandler writes its
+    # stack on the first, the dump cut short: the root is stopped first, the rest after its grace
+    sender = tmp_path / "sender"
+    proc = subprocess.Popen([sys.executable, "-c", _FORWARDING_PARENT, _COUNTING_CHILD, str(sender)],
+                            stdout=subprocess.PIPE, text=True)
+    try:
+        assert proc.stdout.readline().strip() == "ready"
+        procs.stop_tree(proc, forwards=True)
+    finally:
+        procs.stop_processes(procs.tree_of([proc.pid]))
+        proc.stdout.close()
+    assert sender.read_text() == str(proc.pid), "the child's first SIGTERM came from the stop, not its parent"
+    leftovers.check()

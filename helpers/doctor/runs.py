@@ -97,8 +97,9 @@ def run_torchrun(command: list[str], trace_dir: str | Path, num_processes: int =
                 "--max-restarts", "0", "--master-port", str(procs.free_port()),
                 "-m", "helpers.trace", *command]
         # torchrun starts its workers in sessions of their own: past the deadline the whole tree
-        # is stopped (procs.run_process), not torchrun alone
-        code, output, _seconds = procs.run_process(argv, timeout_s, env)
+        # is stopped (procs.run_process), not torchrun alone; torchrun first, which stops its
+        # workers with one SIGTERM each (their stacks written whole)
+        code, output, _seconds = procs.run_process(argv, timeout_s, env, forwards=True)
     exit_codes = torchrun_exit_codes(output)
     return code, diagnose_dir(trace_dir, num_processes, exit_codes, stopped=code is None), output
 
