@@ -211,7 +211,10 @@ def run_command_rank(argv: list[str], traced: bool) -> NoReturn:
         # every thread's: the kernel hands the signal to any thread, and about 1 stop in 8 it was one
         # of torch's, with no Python frame, so a dump of the interrupted thread alone held nothing.
         # Walking the other threads from the handler can crash the dump while the helper thread
-        # runs Python (cpython#116008; see trace.dump_stacks): the rank is being stopped anyway
+        # runs Python (cpython#116008; see trace.dump_stacks): the rank is being stopped anyway.
+        # A second SIGTERM while it writes (torchrun forwarding one the rank got too, as from
+        # scancel, which signals every process) ends the dump early: chained, faulthandler's
+        # handler takes a nested signal at once (procs.stop_tree stops torchrun first for this)
         faulthandler.register(signal.SIGTERM, file=stack_handle, all_threads=True, chain=True)
     if traced:
         trace.install(run_dir, rank)
