@@ -510,7 +510,12 @@ def _wrap(name: str, original: Callable, plan: _Plan) -> Callable:
     with ``async_op=True`` to record it while the collective runs. The C version was within 0.003
     of this one at 1 MiB: the time goes on the objects a record touches (frame, code, group,
     queue) after a collective has left the caches cold, not on the interpreter. The async launch
-    gained about 0.01, but changes what the backend does: torch passes ``asyncOp`` on, NCCL keeps
+    gained about 0.01 once; built again on gloo groups alone (where torch's blocking path is the
+    same launch and ``wait()``), a loop's repeated call launched first and recorded before its
+    wait, it gained nothing in the bench's turns (``--against``): traced/untraced 1.023 and 1.033
+    against 1.025 and 1.020 at 1 MiB, CPU 11.1-11.5 against 10.3-10.6 us per call (gloo's thread
+    shares the rank's core, so the record's CPU does not hide behind the transfer). It also
+    changes what the backend does elsewhere: torch passes ``asyncOp`` on, NCCL keeps
     an async call's tensors until ``wait()`` (``TensorShelf`` in ProcessGroupNCCL.hpp), and in a
     ``_coalescing_manager`` an async call returns ``_IllegalWork``, whose ``wait()`` raises.
 
