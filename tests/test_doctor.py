@@ -906,6 +906,33 @@ def test_a_rank_whose_loop_ran_out_first_is_said_to_have_left_it(leftovers):
     leftovers.check()
 
 
+def _train_epoch(batches):
+    import torch.distributed as dist
+
+    for batch in batches:  # line: helper batches
+        dist.all_reduce(batch)  # line: helper call
+
+
+def _uneven_batches_in_a_helper():
+    import torch
+    import torch.distributed as dist
+
+    _train_epoch([torch.ones(2)] * (3 - dist.get_rank()))  # line: train epoch
+    dist.barrier()  # line: after the epoch
+
+
+def test_a_rank_whose_loop_in_a_called_function_ran_out_first_is_said_to_have_left_it(leftovers):
+    # the batch loop inside train_epoch(): rank 1 has returned from it, rank 0 is still in its loop
+    # (unseen script: gradient accumulation over hand-sharded data, the loop in a helper)
+    found = _hung_run(_uneven_batches_in_a_helper)
+    assert (found.kind, found.ranks) == ("collective-mismatch", [1]), found.text()
+    assert (f"Rank 1 has left the loop at {HERE}:{_line('helper batches')} that the others are still in "
+            f"(inside the call at {HERE}:{_line('train epoch')}, which that rank has returned from): its "
+            "loop ran out first") in found.summary, found.summary
+    assert found.fix.startswith("Give every rank the same number of iterations"), found.fix
+    leftovers.check()
+
+
 def _main_process_call_after_each_epochs_batches():
     import torch
     import torch.distributed as dist

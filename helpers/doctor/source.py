@@ -285,12 +285,26 @@ def loop_left(filename: str | None, inside: int | None, after: int | None) -> in
     scope = _innermost(filename, loops[0].lineno, (ast.FunctionDef, ast.AsyncFunctionDef))
     if scope is not None and after > (scope.end_lineno or 0):
         return None
-    left = [loop for loop in loops if after > (loop.end_lineno or after)]  # innermost first, nested
-    for loop in reversed(left[1:]):  # an outer loop a break or return of its own can leave early
+    return _loop_left_of(filename, [loop for loop in loops if after > (loop.end_lineno or after)], inside)
+
+
+def loop_returned_from(filename: str | None, inside: int | None) -> int | None:
+    """The header line of the loop around line ``inside`` that a rank has left by returning from
+    the function that holds both (chosen among nested loops as ``loop_left`` does); None when no
+    loop of that function holds the line."""
+    loops = _loops_around(filename, inside)
+    return _loop_left_of(filename, loops, inside) if loops and inside is not None else None
+
+
+def _loop_left_of(filename: str | None, left: list[Any], inside: int) -> int:
+    """Of the nested loops a rank has left (innermost first), the one to name: the innermost (uneven
+    batches run out in the batch loop, every epoch alike), unless an outer one holds a break or
+    return of its own (an early stop leaves the epoch loop)."""
+    for loop in reversed(left[1:]):
         exits = loop_exits(filename, loop.lineno, inside)
         if any(keyword in ("break", "return") for keyword, _line, _test in exits):
             return loop.lineno
-    return left[0].lineno  # as uneven batches leave a batch loop inside an epoch loop: the innermost
+    return left[0].lineno
 
 
 def swallowing_handler(filename: str | None, line: int | None) -> tuple[int, str] | None:

@@ -16,10 +16,12 @@ from helpers.collectives import OBJECT_LISTS, ROOTS, canonical_op
 from helpers.doctor.records import WORLD_PG, Op, Position
 from helpers.doctor.source import (
     enclosing_condition,
+    enclosing_function,
     enclosing_loop,
     in_loop_body,
     loop_exits,
     loop_left,
+    loop_returned_from,
     mentions_rank,
     rank_condition,
     share_a_loop,
@@ -768,27 +770,85 @@ def _left_loop(sites: dict[int, tuple[str, int] | None], leavers: list[int], sta
     loop that holds the stayers' too, is under a branch on the rank or a condition each rank decides
     for itself: the stayers may have gone round that outer loop past a call of the leaver's own, as
     with 'if accelerator.is_main_process: accelerator.save_state()' after the batch loop)."""
-    inside = {sites[rank] for rank in stayers}
-    if not leavers or len(inside) != 1 or None in inside or any(sites[rank] is None for rank in leavers):
+    if not leavers:
         return ""
+    found = (_loop_at_sites(sites, leavers, stayers, positions)
+             or _loop_returned_from(leavers, stayers, positions))
+    if found is None:
+        return ""
+    file, header, line, call = found
+    several = len(leavers) > 1
+    stay = "is" if len(stayers) == 1 and not stayers_text.startswith("the") else "are"
+    those = "those ranks" if several else "that rank"
+    returned = (f" (inside the call at {Path(call[0]).name}:{call[1]}, which {those} "
+                f"{'have' if several else 'has'} returned from)") if call is not None else ""
+    return (f" {ranks_text(leavers)} {'have' if several else 'has'} left the loop at "
+            f"{Path(file).name}:{header} that {stayers_text.replace('Rank', 'rank')} {stay} still "
+            f"in{returned}: {'their loops' if several else 'its loop'} {LOOP_RAN_OUT} (a DataLoader with "
+            f"fewer batches on {those}, as with accelerate's even_batches=False, a break or a condition "
+            f"that holds on {those} alone, or a collective {those} skipped inside it, as DDP's no_sync() "
+            f"does).{loop_exits_text(file, header, line)}")
+
+
+_LoopLeft = tuple[str, int, int, "tuple[str, int] | None"]  # file, loop header, the stayers' line, the call
+
+
+def _loop_at_sites(sites: dict[int, tuple[str, int] | None], leavers: list[int], stayers: list[int],
+                   positions: dict[int, Position]) -> _LoopLeft | None:
+    """The loop every stayer's call is in and every leaver's call, in the same function, lies past
+    (``source.loop_left``): (file, its header, the stayers' line, None)."""
+    inside = {sites[rank] for rank in stayers}
+    if len(inside) != 1 or None in inside or any(sites[rank] is None for rank in leavers):
+        return None
     file, line = inside.pop()
     headers = {loop_left(file, line, site[1]) if site[0] == file else None
                for site in (sites[rank] for rank in leavers) if site is not None}
     if len(headers) != 1 or None in headers:
-        return ""
+        return None
     if any(share_a_loop(file, line, site[1]) and _in_a_branch(site, positions.get(rank))
            for rank in leavers if (site := sites[rank]) is not None):
-        return ""
-    several = len(leavers) > 1
-    stay = "is" if len(stayers) == 1 and not stayers_text.startswith("the") else "are"
-    those = "those ranks" if several else "that rank"
-    header = headers.pop()
-    return (f" {ranks_text(leavers)} {'have' if several else 'has'} left the loop at "
-            f"{Path(file).name}:{header} that {stayers_text.replace('Rank', 'rank')} {stay} still "
-            f"in: {'their loops' if several else 'its loop'} {LOOP_RAN_OUT} (a DataLoader with fewer "
-            f"batches on {those}, as with accelerate's even_batches=False, a break or a condition "
-            f"that holds on {those} alone, or a collective {those} skipped inside it, as DDP's no_sync() "
-            f"does).{loop_exits_text(file, header, line)}")
+        return None
+    return file, headers.pop(), line, None
+
+
+def _loop_returned_from(leavers: list[int], stayers: list[int], positions: dict[int, Position]
+                        ) -> _LoopLeft | None:
+    """The same read on the ranks' stacks, for a loop in a function the collective is called from:
+    where every leaver's user frames part from the stayers' (one stack for all stayers), the leavers
+    are past the stayers' line in the same function, and the stayers are inside a loop there, or
+    inside a call there whose function (or one it calls) runs a loop the leavers have returned
+    from: (the loop's file, its header, the stayers' line in it, that call's file and line)."""
+    stacks = {tuple(_user_frames(positions.get(rank))) for rank in stayers}
+    if len(stacks) != 1:
+        return None
+    stay = list(stacks.pop())
+    found = {_parted(stay, _user_frames(positions.get(rank))) for rank in leavers}
+    return found.pop() if len(found) == 1 and None not in found else None
+
+
+def _user_frames(pos: Position | None) -> list[tuple[str, int]]:
+    return [(file, line) for file, line, _where in pos.callers] if pos is not None else []
+
+
+def _parted(stay: list[tuple[str, int]], leave: list[tuple[str, int]]) -> _LoopLeft | None:
+    """``_loop_returned_from`` for one leaver's frames against the stayers'."""
+    for depth, (here, there) in enumerate(zip(stay, leave, strict=False)):
+        if here == there:
+            continue
+        file, line = here
+        if there[0] != file or there[1] <= line or enclosing_function(*here) != enclosing_function(*there):
+            return None
+        if share_a_loop(file, line, there[1]) and any(_under_condition(*frame) for frame in leave[depth:]):
+            return None  # a turn ahead past a call of its own (see ``_left_loop``)
+        header = loop_left(file, line, there[1])
+        if header is not None:
+            return file, header, line, None
+        for inner in stay[depth + 1:]:
+            header = loop_returned_from(*inner)
+            if header is not None:
+                return inner[0], header, inner[1], here
+        return None
+    return None
 
 
 def loop_exits_text(file: str, header: int, call_line: int, after: int | None = None) -> str:
