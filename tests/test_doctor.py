@@ -2051,6 +2051,40 @@ def test_a_sys_exit_inside_the_loop_on_one_rank_is_named_and_one_after_it_on_eve
     leftovers.check()
 
 
+_EXITS_IN_A_CALLED_FUNCTION = """\
+import sys
+import torch
+import torch.distributed as dist
+
+def validate(step):
+    loss = float("inf") if dist.get_rank() == 1 and step == 3 else 1.0
+    if loss == float("inf"):
+        sys.exit(2)
+    dist.all_reduce(torch.tensor([loss]))
+
+dist.init_process_group("gloo")
+for step in range(6):
+    dist.all_reduce(torch.zeros(4))
+    validate(step)
+"""
+
+
+def test_a_sys_exit_in_a_function_called_inside_the_loop_is_named_with_that_call(tmp_path, leftovers):
+    # unseen script: a validation pass that exits when its loss is not finite, called each epoch
+    script = tmp_path / "val.py"
+    script.write_text(_EXITS_IN_A_CALLED_FUNCTION)
+    done = _doctor_cli("--num-processes", "2", "--stall-s", "2", "--json", str(tmp_path / "d.json"), "--",
+                       str(script))
+    data = json.loads((tmp_path / "d.json").read_text())
+    assert (data["kind"], data["ranks"]) == ("rank-exited", [1]), done.stderr[-3000:]
+    assert data["summary"].startswith(
+        "Rank 1 left through sys.exit(2) (exit code 2) at val.py:8, in a function called at val.py:14, "
+        "inside the loop at val.py:12 (under 'if loss == float('inf'):' at val.py:7, a condition each rank "
+        "decides for itself) while other ranks still needed it"), data["summary"]
+    assert data["fix"].startswith(wording.LOOP_EXIT_CURE), data["fix"]
+    leftovers.check()
+
+
 def test_ranks_all_waiting_in_init_for_a_larger_world_are_told_the_world_they_asked_for(tmp_path, leftovers):
     # a world size from a configuration written for more processes than the launch started: every
     # rank joins, and init_process_group waits for ranks that will never come

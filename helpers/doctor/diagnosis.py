@@ -415,21 +415,42 @@ _EXIT_CALL = re.compile(r"\b(?:sys\.exit|exit|quit)\((?:[^()]|\([^()]*\))*\)"
 
 def _place_exit_call(pos: Position, exit_record: dict, view: RankView) -> None:
     """A rank that left through ``sys.exit()`` (or ``exit()``) in a turn of a loop that holds its
-    collectives, early, while the loop may still have held collectives for the others: placed at
-    that call. Not for one outside any loop (``sys.exit(main())`` at a script's end), in a loop's
+    collectives, early, while the loop may still have held collectives for the others (the call in
+    the loop's body, or in a function called there): placed at that call. Not for one outside any
+    loop (``sys.exit(main())`` at a script's end), in a loop's
     ``else``, or in a loop of no collectives of its own (a retry loop around ``main()`` holds them
     only through the call)."""
     site = exit_record.get("exit_site")
     if not isinstance(site, dict):
         return
     file, line = site.get("file"), site.get("line")
-    header = enclosing_loop(file, line)
-    if header is None or not in_loop_body(file, header, line) or not any(
-            op.file == file and op.line and share_a_loop(file, line, op.line) for op in view.python_ops()):
+    callers = [(caller[0], caller[1]) for caller in exit_record.get("exit_callers") or []
+               if isinstance(caller, list) and len(caller) == 3]
+    frames = [(file, line)] + [frame for frame in reversed(callers) if frame != (file, line)]
+    held = next((frame for depth, frame in enumerate(frames)
+                 if _loop_holds_collectives(frame, frames[:depth], view)), None)
+    if held is None:
         return
     found = _EXIT_CALL.search(source_line(site))
     pos.exit_call = found.group(0) if found else "a SystemExit"
     pos.where, pos.file, pos.line = site.get("where"), file, line
+    if held != (file, line):  # sys.exit() in a function called inside the loop
+        pos.exit_from = held
+        pos.exit_callers = frames[1:frames.index(held) + 1]
+
+
+def _loop_holds_collectives(frame: tuple[str | None, int | None], inner: list[tuple[str | None, int | None]],
+                            view: RankView) -> bool:
+    """Is a frame's line in the body of a loop that holds collectives of the rank's own: there, or
+    in a function it called on the way to the exit (``inner``: those calls' frames)?"""
+    file, line = frame
+    header = enclosing_loop(file, line)
+    if header is None or not in_loop_body(file, header, line):
+        return False
+    functions = {(each[0], enclosing_function(*each)) for each in inner}
+    return any(op.line and ((op.file == file and share_a_loop(file, line, op.line))
+                            or (op.file, enclosing_function(op.file, op.line)) in functions)
+               for op in view.python_ops())
 
 
 # faulthandler's header at each fatal signal it handles (Modules/faulthandler.c)

@@ -176,9 +176,7 @@ def _exit_record(code: int, error: BaseException | None,
                  exit_call: SystemExit | None = None) -> dict[str, Any]:
     record: dict[str, Any] = {"ev": "exit", "t": time.time(), "code": code,
                               "status": "raised" if error else ("finished" if code == 0 else "exited")}
-    site = trace.exit_site(exit_call)
-    if site:  # where sys.exit() was called (an early stop inside a loop)
-        record["exit_site"] = site
+    record.update(trace.exit_fields(exit_call))  # where sys.exit() was called (an early stop inside a loop)
     if isinstance(error, KeyboardInterrupt):  # Ctrl-C: stopped on purpose, not a crash to diagnose
         record.update(status="stopped", by="Ctrl-C (KeyboardInterrupt)")
     elif error is not None:

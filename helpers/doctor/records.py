@@ -286,6 +286,8 @@ class Position:
     #                           as it dumped its stack gave its exit status another signal)
     victim: bool = False  # raised inside a collective (a consequence, not a cause)
     exit_call: str = ""  # the sys.exit() / exit() it left through inside a loop ('sys.exit(0)'), at ``where``
+    exit_from: tuple[str, int] | None = None  # its caller's line in that loop (a function called there)
+    exit_callers: list[tuple[str, int]] = field(default_factory=list)  # the calls up to it, innermost first
     destroyed_at: str = ""  # where it destroyed the default group ('train.py:10'), when it did
     timed_out: bool = False  # its wait was ended from outside: torch's timeout, or a signal as it waited
     callers: list[tuple[str, int, str]] = field(default_factory=list)  # the user's frames it was called

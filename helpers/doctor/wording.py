@@ -1108,9 +1108,13 @@ def loop_ran_longer(loop: str, finished: list[int], positions: dict[int, Positio
 def _exit_call_text(pos: Position, code: str = "") -> str:
     """"left through sys.exit(0) at train.py:12, inside the loop at train.py:8 (under 'if rank == 1
     and step == 3:' at train.py:10, a branch on the rank)": an early exit in a loop, on this rank."""
-    loop = enclosing_loop(pos.file, pos.line)
-    inside = f", inside the loop at {Path(pos.file or '').name}:{loop}" if loop else ""
-    under = _under_condition(pos.file, pos.line)
+    file, line = pos.exit_from or (pos.file, pos.line)
+    loop = enclosing_loop(file, line)
+    inside = f", inside the loop at {Path(file or '').name}:{loop}" if loop else ""
+    if pos.exit_from is not None:  # in a function called there
+        inside = f", in a function called at {Path(file).name}:{line}{inside}"
+    under = next((said for frame in [(pos.file, pos.line), *pos.exit_callers]
+                  if (said := _under_condition(*frame))), "")
     return f"left through {pos.exit_call}{code}{_at(pos)}{inside}{f' ({under})' if under else ''}"
 
 

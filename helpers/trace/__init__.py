@@ -132,10 +132,15 @@ def joined() -> bool:
     return tracer is not None and tracer.joined
 
 
-def exit_site(exit_call: SystemExit | None) -> dict[str, Any] | None:
-    """Where a SystemExit was raised (``sys.exit()``, ``exit()``): its traceback's innermost user
-    frame; None without one."""
-    return traceback_site(exit_call.__traceback__) if exit_call is not None else None
+def exit_fields(exit_call: SystemExit | None) -> dict[str, Any]:
+    """An exit record's fields for the SystemExit it ended by (``sys.exit()``, ``exit()``): where it
+    was raised (``exit_site``, its traceback's innermost user frame) and the user's frames that led
+    there (``exit_callers``, outermost first: a sys.exit() in a function called inside a loop);
+    none without one."""
+    if exit_call is None:
+        return {}
+    site = traceback_site(exit_call.__traceback__)
+    return {"exit_site": site, "exit_callers": traceback_callers(exit_call.__traceback__)} if site else {}
 
 
 def finish(status: str, error: BaseException | None = None, exit_call: SystemExit | None = None) -> None:
@@ -149,9 +154,7 @@ def finish(status: str, error: BaseException | None = None, exit_call: SystemExi
     if tracer is None:
         return
     record: dict[str, Any] = {"ev": "exit", "status": status, "t": time.time(), "pg": group_progress()}
-    site = exit_site(exit_call)
-    if site:
-        record["exit_site"] = site
+    record.update(exit_fields(exit_call))
     if error is not None:
         record["error"] = error_text(error)
         site = traceback_site(error.__traceback__)
