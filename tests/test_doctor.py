@@ -933,6 +933,37 @@ def test_a_rank_whose_loop_in_a_called_function_ran_out_first_is_said_to_have_le
     leftovers.check()
 
 
+_DDP_SKIPS_A_BACKWARD = """\
+import torch
+import torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel
+
+dist.init_process_group("gloo")
+model = DistributedDataParallel(torch.nn.Linear(4, 1))
+for step in range(4):
+    loss = None if dist.get_rank() == 1 and step == 2 else model(torch.ones(2, 4)).sum()
+    if loss is None:
+        continue
+    loss.backward()
+"""
+
+
+def test_a_rank_one_ddp_all_reduce_short_names_the_continue_that_skipped_it(tmp_path, leftovers):
+    # DDP's all-reduces are issued from C++: the finished rank's last one is known from the Flight
+    # Recorder alone, without a line (unseen script: a batch with no labelled tokens skipped)
+    script = tmp_path / "skip.py"
+    script.write_text(_DDP_SKIPS_A_BACKWARD)
+    done = _doctor_cli("--num-processes", "2", "--stall-s", "2", "--json", str(tmp_path / "d.json"), "--",
+                       str(script))
+    data = json.loads((tmp_path / "d.json").read_text())
+    assert (data["kind"], data["ranks"]) == ("rank-exited", [1]), done.stderr[-3000:]
+    assert "The loop at skip.py:7 ran out first on rank 1" in data["summary"], data["summary"]
+    assert "the continue at skip.py:10 (if loss is None) skips the rest of its turn" in data["summary"], \
+        data["summary"]
+    assert data["fix"].startswith(wording.LOOP_EXIT_CURE), data["fix"]
+    leftovers.check()
+
+
 def _main_process_call_after_each_epochs_batches():
     import torch
     import torch.distributed as dist
