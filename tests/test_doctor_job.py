@@ -419,6 +419,8 @@ def test_a_rank_gloo_aborts_on_a_size_mismatch_is_named_with_its_size(script, tm
     assert outcome.rank_codes[2] == -signal.SIGABRT, outcome.rank_codes
     assert data["per_rank"][2]["shapes"] == [[1]] and data["per_rank"][0]["shapes"] == [[8]]
     assert data["per_rank"][2]["location"] == _line("steps")
+    said = "rank 2 ended without a word (no exception, no exit code): killed by a signal, most likely gloo's"
+    assert any(note.startswith(said) for note in data["notes"]), data["notes"]
     # faulthandler on the aborted rank's stderr: where its Python was (gloo aborts from a thread of
     # its own, so the main thread's stack is one of the threads dumped, not the current one)
     log = "".join(outcome.outputs)

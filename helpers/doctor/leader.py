@@ -108,7 +108,7 @@ def diagnose_answers(world: int, reason: str, since_s: float, answers: dict[int,
     """Views from the answers (or the last heartbeat of a rank that did not answer, with its stack
     from py-spy when ``stacks`` has it, and its latest first call from ``first_calls`` when that is
     newer than the heartbeat: a rank gloo aborted on a size mismatch posted it just before), diagnosed."""
-    views, notes = {}, []
+    views, notes, silent_ends = {}, [], []
     vanished = {r for seen in beats.values() for r in (seen.beat.get("exit") or {}).get("gone") or []}
     for rank in range(world):
         seen = beats.get(rank)
@@ -122,8 +122,7 @@ def diagnose_answers(world: int, reason: str, since_s: float, answers: dict[int,
             if dead and not seen.beat.get("exit"):
                 view.exit, view.ended, view.exit_code = {"ev": "exit", "status": "vanished"}, True, None
                 view.state["stack"] = []  # where it was a tick before it died: no evidence of its end
-                notes.append(f"rank {rank} ended without a word (no exception, no exit code): killed "
-                             "by a signal, e.g. SIGKILL from the OOM killer; its agent's log has the signal")
+                silent_ends.append(rank)
             elif not seen.beat.get("exit") and rank in (stacks or {}):
                 view.state["stack"], view.silent = stacks[rank], True
                 if not _in_torch_distributed(stacks[rank]):  # its last beat caught it in a call that returned
@@ -136,8 +135,20 @@ def diagnose_answers(world: int, reason: str, since_s: float, answers: dict[int,
                              f"{seen.age():.1f} s old")
             views[rank] = view
     diagnosis = diagnose(views, world, reason, round(since_s, 3))
-    diagnosis.notes.extend(notes)
+    diagnosis.notes.extend(notes + [_silent_end_note(rank, diagnosis.kind) for rank in silent_ends])
     return diagnosis
+
+
+def _silent_end_note(rank: int, kind: str) -> str:
+    """What a rank that ended without a word (no exception, no exit code) was most likely killed by:
+    gloo's abort when the ranks' collectives disagree in size, else any signal."""
+    if kind in ("shape-mismatch", "collective-mismatch"):
+        how = ("most likely gloo's abort (SIGABRT), which ends a rank whose collective receives more "
+               "data than its own call expects, as in the mismatch above")
+    else:
+        how = "SIGKILL from the OOM killer, gloo's or NCCL's abort (SIGABRT), a segfault"
+    return (f"rank {rank} ended without a word (no exception, no exit code): killed by a signal, {how}; "
+            "its agent's log has the signal, and its stack where it died")
 
 
 def _in_torch_distributed(frames: list[dict[str, Any]]) -> bool:
