@@ -1363,6 +1363,32 @@ def test_a_loops_exit_sentence_is_hedged_unless_its_condition_likely_differs_bet
     assert _loop_cures("...ran out first.") == [wording.UNEVEN_LOOP_CURE]
 
 
+def test_a_break_on_a_count_kept_from_each_ranks_own_loss_is_told_not_hedged(tmp_path):
+    # unseen script: early stopping on each rank's own validation shard; the break's test names no
+    # loss, the count it reads is kept from one
+    script = tmp_path / "train.py"
+    script.write_text("def fit(loader, patience):\n"  # 1
+                      "    best, bad_epochs = float('inf'), 0\n"  # 2
+                      "    for epoch in range(12):\n"  # 3
+                      "        step_(loader)\n"  # 4: the call
+                      "        val_loss = evaluate()\n"  # 5
+                      "        if val_loss < best:\n"  # 6
+                      "            best, bad_epochs = val_loss, 0\n"  # 7
+                      "        else:\n"  # 8
+                      "            bad_epochs += 1\n"  # 9
+                      "        if bad_epochs >= patience:\n"  # 10
+                      "            break\n"  # 11
+                      "    for epoch in range(12):\n"  # 12
+                      "        step_(loader)\n"  # 13: the call
+                      "        if epoch >= patience:\n"  # 14
+                      "            break\n")  # 15
+    told = wording.loop_exits_text(str(script), 3, 4)
+    assert told == (" In that loop, the break at train.py:11 (if bad_epochs >= patience) ends the loop: "
+                    "it can end a turn on some ranks alone, leaving them fewer collectives than the "
+                    "others."), told
+    assert wording.EXIT_HEDGE in wording.loop_exits_text(str(script), 12, 13)  # a count alike on every rank
+
+
 def _display(found) -> None:
     html = found._repr_html_()
     assert "rank-missing" in html and "<table>" in html and found.summary.split(";")[0][:40] in html

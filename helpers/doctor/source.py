@@ -207,6 +207,35 @@ def _assignments(node: ast.AST, scope: Scope):
         yield from _assignments(child, inner)
 
 
+def values_read(filename: str | None, line: int | None, test: str) -> list[str]:
+    """What gives the names in a condition's text (``test``, as at ``line``) their values, in the
+    function around that line: each assignment's value (``+=`` too) and the test of the innermost
+    ``if`` around it. ``bad_epochs >= patience`` reads 'val_loss < best - 1e-3' through
+    ``bad_epochs += 1`` in that ``if``'s else: a count each rank keeps of its own loss."""
+    parsed = _tree(filename)
+    try:
+        names = {node.id for node in ast.walk(ast.parse(test, mode="eval")) if isinstance(node, ast.Name)}
+    except SyntaxError:  # 'except ValueError', not an expression
+        return []
+    if parsed is None or line is None or not names:
+        return []
+    scope = _innermost(filename, line, (ast.FunctionDef, ast.AsyncFunctionDef)) or parsed[0]
+    texts = []
+    for node in ast.walk(scope):
+        if isinstance(node, ast.Assign):
+            targets = node.targets
+        elif isinstance(node, (ast.AugAssign, ast.AnnAssign)) and node.value is not None:
+            targets = [node.target]
+        else:
+            continue
+        if names & {name for target in targets for name, _scope in _targets(target, None)}:
+            texts.append(_text(node.value))
+            condition = enclosing_condition(filename, node.lineno)
+            if condition is not None:
+                texts.append(condition[1])
+    return texts
+
+
 def _targets(target: ast.AST, scope: Scope) -> list[tuple[str, Scope]]:
     """The names an assignment target sets, each with where it is seen: a plain name in its
     function, an attribute's name everywhere."""

@@ -27,6 +27,7 @@ from helpers.doctor.source import (
     share_a_loop,
     source_line,
     swallowing_handler,
+    values_read,
 )
 from helpers.sites import installed_package, is_user_code
 from helpers.trace.callsites import DATALOADER_FILE, DATALOADER_READ
@@ -867,7 +868,7 @@ def loop_exits_text(file: str, header: int, call_line: int, after: int | None = 
              for keyword, line, test in exits[:3]]
     more = f" (and {len(exits) - 3} more)" if len(exits) > 3 else ""
     each = "each" if len(exits) > 1 else "it"
-    hedge = "" if any(_telling(*exit_) for exit_ in exits) else f"{EXIT_HEDGE}, "
+    hedge = "" if any(_telling(file, *exit_) for exit_ in exits) else f"{EXIT_HEDGE}, "
     return (f" {LOOP_EXITS}{'; '.join(parts)}{more}: {hedge}{each} can end a turn on some ranks alone, "
             "leaving them fewer collectives than the others.")
 
@@ -891,12 +892,16 @@ def _per_rank_value(test: str) -> bool:
                                                 for found in _PER_RANK_PART.finditer(test))
 
 
-def _telling(keyword: str, _line: int, test: str) -> bool:
+def _telling(file: str, keyword: str, line: int, test: str) -> bool:
     """Is a loop's exit likely to differ between ranks: a continue (it skips a turn's collectives,
     where uneven data would end the loop instead), or a condition on the rank or on a value each
-    rank computes for itself (its loss, the clock, its batch)? ``if step >= max_steps: break`` is
-    not: it keeps its sentence, hedged, and the uneven-loop cure leads."""
-    return keyword == "continue" or mentions_rank(test) or _per_rank_value(test)
+    rank computes for itself (its loss, the clock, its batch), in its text or in what gives its
+    names their values in that function (a patience count kept from each rank's own loss)?
+    ``if step >= max_steps: break`` is not: it keeps its sentence, hedged, and the uneven-loop cure
+    leads."""
+    if keyword == "continue" or mentions_rank(test) or _per_rank_value(test):
+        return True
+    return any(mentions_rank(text) or _per_rank_value(text) for text in values_read(file, line, test))
 
 
 def _exit_condition(test: str) -> str:
