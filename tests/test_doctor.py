@@ -1158,6 +1158,24 @@ def test_the_ranks_that_came_round_a_loop_past_the_others_call_are_the_culprits(
     assert "the break at inner.py:5 (if done) ends the loop" in text, text
 
 
+def test_a_call_under_a_condition_on_each_ranks_own_value_taken_by_the_few_makes_them_the_culprits(tmp_path):
+    # unseen script: check_trigger() under 'if loss.item() < target:', entered by one rank of three;
+    # the others came round the loop past it, as they would past any call they never make
+    script = tmp_path / "trigger.py"
+    script.write_text("for step in range(9):\n"
+                      "    all_reduce(t)\n"
+                      "    if loss.item() < target:\n"
+                      "        check_trigger()\n")
+    present = _turn_ops(script, {0: ("all_reduce", 2), 1: ("all_reduce", 2), 2: ("all_reduce", 4)})
+    assert _culprits(present) == [2]
+    text = wording.divergence_summary("collective-mismatch", ("0", 12), present, [2], {})
+    assert ("Rank 2 took a different path from the others (its call is under 'if loss.item() < target:' at "
+            "trigger.py:3, a condition each rank decides for itself)") in text, text
+    # entered by the many: the few that came round without it are the odd ones
+    present = _turn_ops(script, {0: ("all_reduce", 4), 1: ("all_reduce", 2), 2: ("all_reduce", 4)})
+    assert _culprits(present) == [1]
+
+
 def test_calls_that_are_not_one_turn_of_a_loop_apart_are_no_skipped_turn(tmp_path):
     # a call of the rank's own under a condition in the same turn
     script = tmp_path / "extra.py"

@@ -1145,9 +1145,9 @@ def _odd_ones_out(groups: dict[tuple, list[int]], present: dict[int, Op], histor
     broadcast (the source's objects are the ones sent), then rank-conditional code (around the
     call's line, or, for the collective a rank is in now, around a caller's; but not when they are
     the many and the others came round a loop past their call, ``wording.turn_skipped``: the few
-    skipped the call, as 'if not (rank == 1 and bad):' does), then the ranks that came round a loop
-    past the others' call, then a condition on a per-rank value, then a strict majority, then
-    history."""
+    skipped the call, as 'if not (rank == 1 and bad):' does), then a condition on a per-rank value
+    (around the calls of at most half the ranks, when the others came round a loop past them), then
+    the ranks that came round a loop past the others' call, then a strict majority, then history."""
     everyone = sorted(present)
     root = _common_root(present)
     if root in present and all(wording.is_object_list(op) for op in present.values()):
@@ -1161,11 +1161,13 @@ def _odd_ones_out(groups: dict[tuple, list[int]], present: dict[int, Op], histor
     skipped_by_few = skipped is not None and len(conditional) * 2 > len(everyone)
     if conditional and len(conditional) < len(everyone) and not skipped_by_few:
         return conditional
+    # 'if time.time() - last > 30:', 'if loss < best:' around the call: the same order of readings
+    deciding = [r for r in everyone if wording.decided_per_rank(present[r].file, present[r].line)]
+    decided_by_few = deciding and len(deciding) < len(everyone) and len(deciding) * 2 <= len(everyone)
+    if decided_by_few or (deciding and len(deciding) < len(everyone) and skipped is None):
+        return deciding
     if skipped is not None:  # the ranks that came round the loop past the others' call skipped it
         return skipped[0]
-    deciding = [r for r in everyone if wording.decided_per_rank(present[r].file, present[r].line)]
-    if deciding and len(deciding) < len(everyone):  # 'if time.time() - last > 30:', 'if loss < best:'
-        return deciding
     largest = max(groups.values(), key=len)
     if len(largest) * 2 > len(everyone):
         return [r for r in everyone if r not in largest]
