@@ -552,6 +552,18 @@ def test_a_known_error_leads_the_fix_only_for_a_culprit_that_raised_it():
         assert fix.startswith("The NCCL backend runs on CUDA GPUs only") and "gloo" in fix, fix
 
 
+def test_a_shape_mismatch_in_a_broadcast_leads_with_the_tensors_each_rank_holds_not_padding():
+    # unseen script: rank 0 alone resized its embeddings, then broadcast its state dict
+    from helpers.doctor.records import Op, Position
+
+    def culprit(name):
+        return Position(0, "in-collective", op=Op(op=name, seq=4, pg="0", shapes=[[104, 16]]))
+
+    assert wording.fix("shape-mismatch", [culprit("broadcast")]).startswith(wording.IN_PLACE_CURE)
+    assert wording.fix("shape-mismatch", [culprit("gloo:all_reduce")]).startswith(wording.IN_PLACE_CURE)
+    assert wording.fix("shape-mismatch", [culprit("all_gather")]) == doctor.FIXES["shape-mismatch"]
+
+
 def test_nccl_asked_for_on_a_cpu_build_of_torch_raises_what_the_cure_matches(tmp_path):
     # the first of those sentences is this machine's torch's own (a CPU build, without NCCL)
     import torch.distributed as dist

@@ -292,7 +292,18 @@ def fix(kind: str, culprits: list[Position], cures: list[str] | None = None) -> 
         known.append(CROSSED_P2P_CURE)
     if kind == "shape-mismatch" and any(is_object_list(pos.op) for pos in culprits):
         known.append(OBJECT_LIST_CURE)
+    elif kind == "shape-mismatch" and any(pos.op is not None and canonical_op(pos.op.op) in _IN_PLACE
+                                          for pos in culprits):
+        known.append(IN_PLACE_CURE)
     return " ".join([*known, FIXES[kind]])
+
+
+_IN_PLACE = {"broadcast", "all_reduce", "reduce"}  # each rank's own tensor is written: no padding helps
+IN_PLACE_CURE = (
+    "A broadcast, all_reduce or reduce writes into each rank's own tensor, so every rank must already "
+    "hold one of the same shape and dtype: find where the ranks' tensors came to differ (a model changed "
+    "on one rank alone, as resize_token_embeddings under 'if accelerator.is_main_process:', is changed on "
+    "every rank, before accelerator.prepare), or send data whose shape differs with broadcast_object_list.")
 
 
 def is_object_list(op: Op | None) -> bool:
