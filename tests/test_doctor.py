@@ -1188,6 +1188,27 @@ def test_a_call_under_a_condition_on_each_ranks_own_value_taken_by_the_few_makes
     assert _culprits(present) == [1]
 
 
+def test_a_call_from_a_helper_under_a_branch_on_the_rank_names_the_branch_around_its_caller(tmp_path):
+    # unseen script: accelerator.reduce in a logging helper called under 'if ... is_main_process:';
+    # gloo aborted rank 0 in it, its stack (faulthandler's) gives the caller
+    from helpers.doctor.records import Position
+
+    script = tmp_path / "logged.py"
+    script.write_text("def log(t):\n"
+                      "    all_reduce(t)\n"
+                      "for step in range(9):\n"
+                      "    backward()\n"
+                      "    if step % 5 == 0 and rank == 0:\n"
+                      "        log(t)\n")
+    present = _turn_ops(script, {0: ("all_reduce", 2), 1: ("all_reduce", 4)})
+    present[0].shapes, present[1].shapes = [[]], [[169]]
+    positions = {0: Position(0, "exited", op=present[0], where="logged.py:2", file=str(script), line=2,
+                             callers=[(str(script), 6, "logged.py:6"), (str(script), 2, "logged.py:2")])}
+    text = wording.different_lines_summary(("0", 12), present, [0], positions)
+    assert text.endswith(" Rank 0's call at logged.py:6 is under 'if step % 5 == 0 and rank == 0:' at "
+                         "logged.py:5, a branch on the rank."), text
+
+
 def test_calls_that_are_not_one_turn_of_a_loop_apart_are_no_skipped_turn(tmp_path):
     # a call of the rank's own under a condition in the same turn
     script = tmp_path / "extra.py"

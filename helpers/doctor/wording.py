@@ -578,8 +578,26 @@ def different_lines_summary(key: tuple[str, int], present: dict[int, Op], culpri
             "number: the ranks took different paths, or a thread of their own issues collectives on the "
             "same group, in a different order on each rank."
             + (_deciding_text(culprits, present, " ") or _rank_branch_text(culprits, present)
+               or _caller_branch_text(culprits, present, positions)
                or swallowed_text(_at_call(op, positions.get(rank), key[1])
                                  for rank, op in sorted(present.items()))))
+
+
+def _caller_branch_text(culprits: list[int], present: dict[int, Op], positions: dict[int, Position]) -> str:
+    """' Rank 0's call at train.py:31 is under 'if accelerator.is_main_process:' at train.py:30, a
+    branch on the rank.' when a culprit, still at (or killed in) that call, got there through a
+    caller under a branch on the rank (the collective in a helper function); '' otherwise."""
+    for rank in culprits:
+        pos = positions.get(rank)
+        if pos is None or pos.op is None or present.get(rank) is None or pos.where != present[rank].where:
+            continue
+        caller = next(((file, line, where) for file, line, where in pos.callers
+                       if rank_condition(file, line)), None)
+        if caller is not None and caller[2] != pos.where:
+            found = rank_condition(caller[0], caller[1])
+            return (f" Rank {rank}'s call at {caller[2]} is under {_branch_words(found, caller[0])}, a "
+                    "branch on the rank.")
+    return ""
 
 
 def _at_call(op: Op, pos: Position | None, seq: int) -> Position:
