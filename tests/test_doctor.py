@@ -483,6 +483,7 @@ def test_a_broadcast_with_a_root_of_its_own_names_that_rank(leftovers):
     site = f"{HERE}:{_line('broadcast root')}"
     assert found.summary.startswith(f"Ranks called broadcast at {site} (collective #"), found.summary
     assert "with different roots: ranks 0 and 2 src=0; rank 1 src=1. Rank 1 differs" in found.summary
+    assert found.fix.startswith(wording.ROOT_CURE), found.fix
     leftovers.check()
 
 

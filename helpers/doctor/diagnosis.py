@@ -955,7 +955,8 @@ def _divergence_kind(divergence, positions, histories, views):
         summary = wording.repeated_call_summary(key, present, counts, call, culprits)
         return "collective-mismatch", culprits, summary, wording.REPEATED_CALL_CURE
     if len(ops) == 1 and len({sig[:2] for sig in groups}) == 1:  # the same call but for its root
-        return "collective-mismatch", culprits, wording.root_summary(key, present, culprits)
+        summary = wording.root_summary(key, present, culprits)
+        return "collective-mismatch", culprits, summary, wording.ROOT_CURE
     kind = "collective-mismatch" if len(ops) > 1 else "shape-mismatch"
     if kind == "shape-mismatch" and (_calls_of_other_functions(present)  # not one call given other sizes
                                      or _python_and_cpp_calls(present, key, positions, views)):

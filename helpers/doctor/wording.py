@@ -971,6 +971,12 @@ def goes_first_summary(key: tuple[str, int], present: dict[int, Op], inside: lis
             "that barrier.")
 
 
+ROOT_CURE = (
+    "Pass every rank the same root: a global rank written as a number (src=0, dst=0), not one each "
+    "rank computes for itself (accelerator.process_index, a node's first rank, the rank that holds the "
+    "data); a rank that holds what to send is told to the others first (broadcast its number from rank 0).")
+
+
 def root_summary(key: tuple[str, int], present: dict[int, Op], culprits: list[int]) -> str:
     """The ranks called one rooted collective with different roots (src or dst)."""
     op = next(iter(present.values()))
