@@ -728,6 +728,31 @@ def test_a_subgroup_collective_one_member_skips_is_named_though_every_rank_waits
     leftovers.check()
 
 
+def _subgroup_call_skipped_by_a_continue():
+    import torch
+    import torch.distributed as dist
+
+    pair = dist.new_group([2, 3])
+    for step in range(3):
+        dist.all_reduce(torch.ones(2))
+        for part in range(2 if dist.get_rank() in (2, 3) else 0):  # line: parts loop
+            if dist.get_rank() == 3 and step == 1 and part == 1:  # a parameter without a gradient
+                continue  # line: part skip
+            dist.all_reduce(torch.ones(2), group=pair)  # line: pair call
+
+
+def test_a_subgroup_collective_a_continue_skipped_names_the_loop_and_the_continue(leftovers):
+    # unseen script: a hand-written hierarchical reducer whose loop over parameters skips one without
+    # a gradient on one rank: no branch around the group's call, a continue before it
+    found = _hung_run(_subgroup_call_skipped_by_a_continue, num_processes=4)
+    assert (found.kind, found.ranks) == ("collective-mismatch", [3]), found.text()
+    assert (f"Each waits for the other: the loop at {HERE}:{_line('parts loop')} around that call issued "
+            f"fewer of its collectives on rank 3 than on rank 2. In that loop, the continue at "
+            f"{HERE}:{_line('part skip')} (if dist.get_rank() == 3") in found.summary, found.summary
+    assert found.fix.startswith(wording.LOOP_EXIT_CURE), found.fix
+    leftovers.check()
+
+
 def _subgroup_branch_on_each_ranks_own_loss():
     import torch
     import torch.distributed as dist

@@ -796,7 +796,8 @@ def _classify(positions: dict[int, Position], histories: dict[int, dict], views:
             ranks = sorted({waiter.rank, *ranks})
             return ("collective-mismatch", ranks, wording.crossed_groups_summary(ranks, positions, members),
                     wording.CROSSED_GROUPS_CURE)
-        return "collective-mismatch", ranks, wording.skipped_group_summary(ranks, waiter, positions, members)
+        summary = wording.skipped_group_summary(ranks, waiter, positions, members)
+        return "collective-mismatch", ranks, summary, *_loop_cures(summary)
     missing = _missing_ranks(positions)
     if missing:
         cures = [wording.INIT_CURE] if _waiting_in_init(positions) else []

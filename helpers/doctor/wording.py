@@ -1346,6 +1346,13 @@ def skipped_group_summary(skipped: list[int], waiter: Position, positions: dict[
         number = "" if pos.seq is None else f" (collective #{pos.seq} of {group_text(pos.op, members)})"
         instead.append(f"rank {rank} waits in the {_op_name(pos.op)}{_at(pos)}{number}")
     branch = _own_branch(waiter)  # the branch around the subgroup's call, when it is on the rank
+    loop = enclosing_loop(waiter.file, waiter.line) if waiter.file and waiter.line and not branch else None
+    exits = loop_exits_text(waiter.file, loop, waiter.line) if loop is not None else ""
+    if exits:  # 'for p in model.parameters(): if p.grad is None: continue' before the group's call
+        those = ranks_text(skipped).lower()
+        return (f"{own}: {'; '.join(instead)}, which rank {waiter.rank} cannot reach while it waits. "
+                f"Each waits for the other: the loop at {Path(waiter.file).name}:{loop} around that call "
+                f"issued fewer of its collectives on {those} than on rank {waiter.rank}.{exits}")
     branch = f" (its call here is under {branch})" if branch else ""
     return (f"{own}: {'; '.join(instead)}, which rank {waiter.rank} cannot reach while it waits. "
             f"Each waits for the other: a collective of a subgroup inside a branch that not all of "
