@@ -2483,6 +2483,11 @@ def test_canonical_names_and_short_errors():
         "RuntimeError: [/__w/pytorch/third_party/gloo/pair.cc:553] Connection closed by peer "
         "[127.0.0.1]:2. This is typically caused by a remote worker crashing.") == \
         "RuntimeError: Connection closed by peer [127.0.0.1]:2."
+    # a store's error carries torch's C++ frames (seen in a rank's log as its agent's store went away)
+    assert wording.short_error(
+        "DistNetworkError: Broken pipe\nException raised from sendBytes at /pytorch/torch/csrc/distributed/"
+        "c10d/Utils.hpp:645 (most recent call first):\nframe #0: c10::Error::Error(...) + 0x98\n") == \
+        "DistNetworkError: Broken pipe"
 
 
 def test_an_op_record_written_after_its_call_returned_closes_the_call():

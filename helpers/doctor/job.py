@@ -366,8 +366,9 @@ class Watchdog(threading.Thread):
                 self.failures += 1
                 if _connection_lost(exc) or self.failures >= STORE_FAILURES:
                     where = f"{self.job.master_addr}:{self.job.master_port}"
-                    self._give_up(f"stopped watching ({type(exc).__name__}: {exc}; the job's store at "
-                                  f"{where} may have gone with its agent)")
+                    error = wording.short_error(f"{type(exc).__name__}: {exc}")  # not torch's C++ frames
+                    self._give_up(f"stopped watching ({error}; the job's store at {where} may have gone "
+                                  "with its agent)")
 
     def _give_up(self, why: str) -> NoReturn:
         """No store: say so once, let ended ranks leave, and still end this rank on SIGTERM (the main

@@ -326,6 +326,7 @@ def shapes_text(shapes: list | None) -> str | None:
 def short_error(text: str | None) -> str:
     """An exception's first sentence, without gloo's source path: 'RuntimeError: Connection closed ...'."""
     text = re.sub(r"\[[^\]]*/[^\]]*:\d+\] ", "", text or "")
+    text = text.split("Exception raised from ", 1)[0]  # torch's C++ frames after a c10::Error's message
     lines = [line.strip() for line in text.splitlines() if line.strip()]
     if lines:  # its first line, unless that is only the error's name ('RuntimeError:' then the message)
         text = lines[0] if len(lines[0]) >= 30 else " ".join(lines)
