@@ -989,11 +989,7 @@ for step in range(4):
 def test_a_rank_one_ddp_all_reduce_short_names_the_continue_that_skipped_it(tmp_path, leftovers):
     # DDP's all-reduces are issued from C++: the finished rank's last one is known from the Flight
     # Recorder alone, without a line (unseen script: a batch with no labelled tokens skipped)
-    script = tmp_path / "skip.py"
-    script.write_text(_DDP_SKIPS_A_BACKWARD)
-    done = _doctor_cli("--num-processes", "2", "--stall-s", "2", "--json", str(tmp_path / "d.json"), "--",
-                       str(script))
-    data = json.loads((tmp_path / "d.json").read_text())
+    done, data = _diagnosed_script(tmp_path, "skip.py", _DDP_SKIPS_A_BACKWARD)
     assert (data["kind"], data["ranks"]) == ("rank-exited", [1]), done.stderr[-3000:]
     assert "The loop at skip.py:7 ran out first on rank 1" in data["summary"], data["summary"]
     assert "the continue at skip.py:10 (if loss is None) skips the rest of its turn" in data["summary"], \
@@ -2166,13 +2162,19 @@ sys.exit(0)
 """
 
 
-def test_a_sys_exit_inside_the_loop_on_one_rank_is_named_and_one_after_it_on_every_rank_is_not(tmp_path,
-                                                                                              leftovers):
-    script = tmp_path / "stops.py"
-    script.write_text(_EXITS_EARLY)
+def _diagnosed_script(tmp_path, name: str, text: str) -> tuple[subprocess.CompletedProcess, dict]:
+    """``text`` written as ``name`` and run on 2 ranks under the doctor's CLI: its run and JSON."""
+    script = tmp_path / name
+    script.write_text(text)
     done = _doctor_cli("--num-processes", "2", "--stall-s", "2", "--json", str(tmp_path / "d.json"), "--",
                        str(script))
-    data = json.loads((tmp_path / "d.json").read_text())
+    return done, json.loads((tmp_path / "d.json").read_text())
+
+
+def test_a_sys_exit_inside_the_loop_on_one_rank_is_named_and_one_after_it_on_every_rank_is_not(tmp_path,
+                                                                                              leftovers):
+    done, data = _diagnosed_script(tmp_path, "stops.py", _EXITS_EARLY)
+    script = tmp_path / "stops.py"
     assert (data["kind"], data["ranks"]) == ("rank-exited", [1]), done.stderr[-3000:]
     assert data["summary"].startswith(
         "Rank 1 left through sys.exit(1) (exit code 1) at stops.py:9, inside the loop at stops.py:7 (under "
@@ -2205,11 +2207,7 @@ for step in range(6):
 
 def test_a_sys_exit_in_a_function_called_inside_the_loop_is_named_with_that_call(tmp_path, leftovers):
     # unseen script: a validation pass that exits when its loss is not finite, called each epoch
-    script = tmp_path / "val.py"
-    script.write_text(_EXITS_IN_A_CALLED_FUNCTION)
-    done = _doctor_cli("--num-processes", "2", "--stall-s", "2", "--json", str(tmp_path / "d.json"), "--",
-                       str(script))
-    data = json.loads((tmp_path / "d.json").read_text())
+    done, data = _diagnosed_script(tmp_path, "val.py", _EXITS_IN_A_CALLED_FUNCTION)
     assert (data["kind"], data["ranks"]) == ("rank-exited", [1]), done.stderr[-3000:]
     assert data["summary"].startswith(
         "Rank 1 left through sys.exit(2) (exit code 2) at val.py:8, in a function called at val.py:14, "
