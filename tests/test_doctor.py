@@ -816,9 +816,13 @@ def _wraps_a_second_model_on_rank_zero_alone():
     import torch.distributed as dist
     from torch.nn.parallel import DistributedDataParallel
 
+    # the student on every rank: a process's first DDP takes about 2.5 s before its first collective
+    # here (lazy imports), longer than stall_s, where rank 0 alone would still be on its way
+    student = DistributedDataParallel(torch.nn.Linear(2, 1))
     if dist.get_rank() == 0:
         teacher = DistributedDataParallel(torch.nn.Linear(2, 1))  # line: teacher
         teacher(torch.ones(1, 2))
+    student(torch.ones(1, 2))
     dist.barrier()
 
 
