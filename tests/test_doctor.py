@@ -1235,6 +1235,40 @@ def test_a_call_from_a_helper_under_a_branch_on_the_rank_names_the_branch_around
                          "logged.py:5, a branch on the rank."), text
 
 
+def test_a_turn_skipped_by_a_return_in_a_function_called_in_the_loop_is_read_from_the_stacks(tmp_path):
+    # unseen script: a trainer's log_step() returns early on a non-finite loss before its metric's
+    # all_reduce; rank 2 went on to the next step's gradient all_reduce
+    from helpers.doctor.diagnosis import _odd_ones_out
+    from helpers.doctor.records import Position
+
+    script = tmp_path / "steps.py"
+    script.write_text("def log_step(loss):\n"
+                      "    if not finite(loss):\n"
+                      "        return\n"
+                      "    all_reduce(loss)\n"
+                      "for step in range(9):\n"
+                      "    all_reduce(grads)\n"
+                      "    log_step(loss)\n")
+    present = _turn_ops(script, {0: ("all_reduce", 4), 1: ("all_reduce", 4), 2: ("all_reduce", 6)})
+    name = str(script)
+    stacks = {0: [(name, 7, "steps.py:7"), (name, 4, "steps.py:4")], 2: [(name, 6, "steps.py:6")]}
+    stacks[1] = stacks[0]
+    positions = {rank: Position(rank, "in-collective", op=op, seq=12, where=op.where, file=name, line=op.line,
+                                callers=stacks[rank]) for rank, op in present.items()}
+    groups: dict = {}
+    for rank, each in present.items():
+        groups.setdefault(each.signature(), []).append(rank)
+    assert _odd_ones_out(groups, present, {}, ("0", 12), positions) == [2]
+    text = wording.divergence_summary("collective-mismatch", ("0", 12), present, [2], positions)
+    assert (f"Rank 2 has {wording.LATER_TURN} steps.py:5 again without the all_reduce at steps.py:4 (from "
+            "the call at steps.py:7) that the others wait in (its next turn, or the loop run anew). On the "
+            "way, the return at steps.py:3 (if not finite(loss)) leaves its function before that call, on "
+            "some ranks alone when its condition differs between them.") in text, text
+    from helpers.doctor.diagnosis import _loop_cures
+
+    assert _loop_cures(text) == [wording.LOOP_EXIT_CURE]
+
+
 def test_calls_that_are_not_one_turn_of_a_loop_apart_are_no_skipped_turn(tmp_path):
     # a call of the rank's own under a condition in the same turn
     script = tmp_path / "extra.py"

@@ -924,7 +924,8 @@ def _loop_cures(summary: str) -> list[str]:
     second when it names one only hedged. For a turn some ranks skipped part of, that alone when a
     continue did it (the kind's own fix otherwise: a condition around the call)."""
     if wording.LATER_TURN in summary:  # a turn's skip on some ranks, not a loop that ran out
-        return [wording.LOOP_EXIT_CURE] if wording.LOOP_EXITS in summary else []
+        skips = wording.LOOP_EXITS in summary or wording.ON_THE_WAY in summary
+        return [wording.LOOP_EXIT_CURE] if skips else []
     if wording.LOOP_EXITS not in summary:
         return [wording.UNEVEN_LOOP_CURE]
     if wording.EXIT_HEDGE in summary:  # an exit alike on every rank, most likely: the data came first

@@ -436,6 +436,22 @@ def loop_exits(filename: str | None, loop_line: int | None,
     return sorted(found, key=lambda exit_: exit_[1])
 
 
+def returns_before(filename: str | None, line: int | None) -> list[tuple[int, str]]:
+    """The ``return`` statements above ``line`` in its innermost function, each with the test of
+    the innermost ``if`` around it (as ``loop_exits`` gives them): a function called in a loop that
+    can leave before the call at ``line`` on some ranks alone."""
+    function = _innermost(filename, line, (ast.FunctionDef, ast.AsyncFunctionDef))
+    if function is None or line is None:
+        return []
+    found: list[tuple[str, int, str]] = []
+    try:
+        for statement in function.body:
+            _exits_in(statement, "", line, found, False)
+    except RecursionError:
+        return []
+    return sorted((at, test) for keyword, at, test in found if keyword == "return" and at < line)
+
+
 def _exits_in(node: ast.AST, test: str, call_line: int, found: list[tuple[str, int, str]], own: bool) -> None:
     """``loop_exits``' walk; ``own``: still in the loop itself (not in a loop nested in it)."""
     if isinstance(node, _SCOPES):

@@ -9,7 +9,7 @@ from __future__ import annotations
 import re
 from collections.abc import Iterable
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 from helpers import params
 from helpers.collectives import OBJECT_LISTS, ROOTS, canonical_op
@@ -24,6 +24,7 @@ from helpers.doctor.source import (
     loop_returned_from,
     mentions_rank,
     rank_condition,
+    returns_before,
     share_a_loop,
     source_line,
     swallowing_handler,
@@ -747,27 +748,70 @@ def _different_path(present: dict[int, Op], culprits: list[int], positions: dict
     return f" {ranks_text(culprits)} took a different path from {_others_text(others)}{inside}.{swallowed}"
 
 
-def turn_skipped(present: dict[int, Op], positions: dict[int, Position]
-                 ) -> tuple[list[int], list[int], str, int, int, int] | None:
-    """(the early ranks, the late ranks, the file, the loop's header line, the early call's line, the
-    late call's line) when the ranks' calls are at two lines of one loop's body and the earlier
-    line's call is unconditional in it: the early side came round to the loop again (its next turn,
-    or the loop run anew), past the call the late side waits in (skipped by a continue, a break or
-    a return between the two, or by a condition around that call); None otherwise."""
+class TurnSkipped(NamedTuple):
+    """Two sides at two lines of one loop's body (``turn_skipped``)."""
+
+    early: list[int]  # the ranks that came round to the loop again
+    late: list[int]  # the ranks that wait further down
+    file: str  # the loop's file
+    header: int  # the loop's header line
+    first: int  # the early side's line in the loop
+    call_line: int  # the late side's line in the loop (its call, or the call that leads to it)
+    inner: list[tuple[str, int]]  # the late side's frames below that line, outermost first
+
+
+def turn_skipped(present: dict[int, Op], positions: dict[int, Position]) -> TurnSkipped | None:
+    """The early and late ranks when the ranks' calls are at two lines of one loop's body and the
+    earlier line's call is unconditional in it: the early side came round to the loop again (its
+    next turn, or the loop run anew), past the call the late side waits in (skipped by a continue,
+    a break or a return between the two, or by a condition around that call); None otherwise. The
+    lines are the calls' own, else where the ranks' stacks part in a function that runs the loop
+    (the call the late side waits in made from a function called there)."""
     sites = {rank: _site(op, positions.get(rank)) for rank, op in present.items()}
     lines = set(sites.values())
     if None in lines or len(lines) != 2:
         return None
     (file, first), (late_file, call_line) = sorted(lines)  # type: ignore[type-var] - no None left
+    if file == late_file and _one_turn_apart(file, first, call_line):
+        early = sorted(rank for rank, site in sites.items() if site == (file, first))
+        late = sorted(rank for rank in sites if rank not in early)
+        return TurnSkipped(early, late, file, enclosing_loop(file, call_line) or 0, first, call_line, [])
+    return _turn_skipped_on_stacks(sites, positions)
+
+
+def _one_turn_apart(file: str, first: int, call_line: int) -> bool:
+    """Are two lines in the body of one loop, the earlier unconditional in it?"""
     header = enclosing_loop(file, call_line)
-    if file != late_file or header is None or enclosing_loop(file, first) != header \
+    if header is None or enclosing_loop(file, first) != header \
             or not in_loop_body(file, header, first) or not in_loop_body(file, header, call_line):
-        return None
+        return False
     guard = enclosing_condition(file, first)
-    if guard is not None and guard[0] > header:  # a call of its own in this turn, not the next turn's
+    return guard is None or guard[0] <= header  # else a call of its own in this turn, not the next turn's
+
+
+def _turn_skipped_on_stacks(sites: dict[int, tuple[str, int] | None], positions: dict[int, Position]
+                            ) -> TurnSkipped | None:
+    """``turn_skipped`` where the two sides' stacks part, one stack on each side."""
+    stacks: dict[tuple, list[int]] = {}
+    for rank in sites:
+        stack = tuple(_user_frames(positions.get(rank)))
+        if not stack or stack[-1] != sites[rank]:  # no stack, or one that is not at this call
+            return None
+        stacks.setdefault(stack, []).append(rank)
+    if len(stacks) != 2:
         return None
-    early = sorted(rank for rank, site in sites.items() if site == (file, first))
-    return early, sorted(rank for rank in sites if rank not in early), file, header, first, call_line
+    (one, one_ranks), (other, other_ranks) = stacks.items()
+    for depth, (here, there) in enumerate(zip(one, other, strict=False)):
+        if here == there:
+            continue
+        if here[0] != there[0] or enclosing_function(*here) != enclosing_function(*there):
+            return None
+        (first, early, _), (call, late, below) = sorted([(here, one_ranks, one), (there, other_ranks, other)])
+        if not _one_turn_apart(first[0], first[1], call[1]):
+            return None
+        return TurnSkipped(sorted(early), sorted(late), first[0], enclosing_loop(*call) or 0, first[1],
+                           call[1], list(below[depth + 1:]))
+    return None
 
 
 def _next_turn(present: dict[int, Op], positions: dict[int, Position]) -> str:
@@ -777,16 +821,35 @@ def _next_turn(present: dict[int, Op], positions: dict[int, Position]) -> str:
     skipped = turn_skipped(present, positions)
     if skipped is None:
         return ""
-    early, late, file, header, first, call_line = skipped
+    early, late, file, header, first, call_line, inner = skipped
     name, several = Path(file).name, len(early) > 1
+    waited = present[late[0]]
+    at = (f"at {waited.where} (from the call at {name}:{call_line})" if inner and waited.where
+          else f"at {name}:{call_line}")
     text = (f" {ranks_text(early)} {'have' if several else 'has'} {LATER_TURN} {name}:{header} again "
-            f"without the {_op_name(present[late[0]])} at {name}:{call_line} that "
+            f"without the {_op_name(waited)} {at} that "
             f"{_others_text(late)} {'waits' if len(late) == 1 else 'wait'} in (its next turn, or the "
             "loop run anew).")
     guard = enclosing_condition(file, call_line)
     if guard is not None and guard[0] > header:
         text += f" That call is under {_branch_words(guard, file)}."
-    return text + loop_exits_text(file, header, call_line, after=first)
+    return text + loop_exits_text(file, header, call_line, after=first) + _returns_before_text(inner)
+
+
+ON_THE_WAY = "On the way, "  # a return in a function called in the loop, before the call: a skip too
+
+
+def _returns_before_text(frames: list[tuple[str, int]]) -> str:
+    """' On the way, the return at lib.py:47 (if not math.isfinite(loss)) leaves its function before
+    that call, ...' for each return above a frame's line in its function, along the frames that
+    lead from the loop to the call (a function called in the loop that can leave before its call)."""
+    parts = [f"the return at {Path(file).name}:{line}{_exit_condition(test)}"
+             for file, call_line in frames for line, test in returns_before(file, call_line)]
+    if not parts:
+        return ""
+    leaves = "each leave their function" if len(parts) > 1 else "leaves its function"
+    return (f" {ON_THE_WAY}{' and '.join(parts[:3])} {leaves} before that call, on some ranks alone when "
+            f"{'its' if len(parts) == 1 else 'the'} condition differs between them.")
 
 
 def _calls_of(ranks: list[int]) -> str:
