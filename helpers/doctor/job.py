@@ -180,8 +180,8 @@ def _exit_record(code: int, error: BaseException | None,
     if isinstance(error, KeyboardInterrupt):  # Ctrl-C: stopped on purpose, not a crash to diagnose
         record.update(status="stopped", by="Ctrl-C (KeyboardInterrupt)")
     elif error is not None:
-        record["error"] = redact.redact_text(trace.error_text(error))
-        record.update(trace.traceback_site(error.__traceback__) or {})
+        record.update(trace.error_fields(error))
+        record["error"] = redact.redact_text(record["error"])
     return record
 
 

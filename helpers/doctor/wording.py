@@ -580,7 +580,7 @@ def different_lines_summary(key: tuple[str, int], present: dict[int, Op], culpri
             "number: the ranks took different paths, or a thread of their own issues collectives on the "
             "same group, in a different order on each rank."
             + (_deciding_text(culprits, present, " ") or _rank_branch_text(culprits, present)
-               or _caller_branch_text(culprits, present, positions)
+               or _caller_branch_text(culprits, present, positions) or _next_turn(present, positions)
                or swallowed_text(_at_call(op, positions.get(rank), key[1])
                                  for rank, op in sorted(present.items()))))
 

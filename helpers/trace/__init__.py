@@ -67,7 +67,7 @@ from helpers.trace.helper import (
 from helpers.trace.tracer import FLUSH_S, Tracer
 
 __all__ = ["FLUSH_S", "FR_BUFFER_SIZE", "FR_STACK_TRACE", "FR_TAIL", "POLL_S", "STACKS_REQUEST", "Tracer",
-           "ask", "describe_stack", "dump_stacks", "error_text", "finish", "flight_recorder",
+           "ask", "describe_stack", "dump_stacks", "error_fields", "error_text", "finish", "flight_recorder",
            "flight_recorder_tail", "flush", "group_progress", "install", "is_user_frame", "label",
            "rank_state", "save_state", "settle", "traceback_callers", "traceback_site", "user_frame",
            "write_state"]
@@ -143,6 +143,17 @@ def exit_fields(exit_call: SystemExit | None) -> dict[str, Any]:
     return {"exit_site": site, "exit_callers": traceback_callers(exit_call.__traceback__)} if site else {}
 
 
+def error_fields(error: BaseException) -> dict[str, Any]:
+    """An exit record's fields for the exception that escaped the script: its text (``error``),
+    where it was raised (the innermost user frame's ``file``, ``line``, ``where``) and the user's
+    frames that led there (``callers``, outermost first)."""
+    fields: dict[str, Any] = {"error": error_text(error)}
+    site = traceback_site(error.__traceback__)
+    if site:
+        fields.update(site, callers=traceback_callers(error.__traceback__))
+    return fields
+
+
 def finish(status: str, error: BaseException | None = None, exit_call: SystemExit | None = None) -> None:
     """Write the rank's last records: how it ended, its final progress and Flight Recorder tail.
 
@@ -156,11 +167,7 @@ def finish(status: str, error: BaseException | None = None, exit_call: SystemExi
     record: dict[str, Any] = {"ev": "exit", "status": status, "t": time.time(), "pg": group_progress()}
     record.update(exit_fields(exit_call))
     if error is not None:
-        record["error"] = error_text(error)
-        site = traceback_site(error.__traceback__)
-        if site:
-            record.update(site)
-            record["callers"] = traceback_callers(error.__traceback__)
+        record.update(error_fields(error))
     tracer.write(record)  # first: a launcher may stop this process any moment now
     if tracer.helper is not None:
         tracer.helper.stop()
