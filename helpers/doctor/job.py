@@ -70,6 +70,7 @@ STOP_ACK_S = 2.0  # on a stop, each rank waits at most this long for every rank 
 LINGER_S = EVIDENCE_WAIT_S + SILENT_S + 4 * TICK_S  # an ended rank waits this long for a verdict
 ATEXIT_S = 5.0  # the script's exit handlers, when the doctor ends a rank from its watchdog
 CHILDREN_GRACE_S = 1.0  # a rank's own child processes, when the doctor ends it: SIGTERM, then SIGKILL
+HOLD_S = 4 * TICK_S  # after a look that found nothing wrong: every rank has beaten again since
 STORE_FAILURES = 3  # store calls that time out in a row before a watchdog gives up
 CONNECT_S = 120.0  # reaching the job's store (hosted by rank 0 itself when there is no agent)
 FLUSH_WAIT_S = 0.5  # an answer waits this long at most for the helper thread's write under way
@@ -275,6 +276,7 @@ class Watchdog(threading.Thread):
         self.exit: dict[str, Any] | None = None
         self.exit_mono: float | None = None
         self.answered = 0
+        self.hold_until = 0.0  # the leader's next look, after a trigger that found nothing wrong
         self.decided = threading.Event()  # a verdict exists (or the store is gone): ended ranks leave
         self.verdict: dict[str, Any] | None = None
         self.signalled: int | None = None
@@ -652,7 +654,7 @@ class Watchdog(threading.Thread):
         beats = board.read_beats(roster)
         beats[self.job.rank] = Seen(self.heartbeat())
         trigger = should_diagnose(beats, self.job.world, self.options.stall_s, self.machine)
-        if trigger is None or not board.claim():
+        if trigger is None or time.monotonic() < self.hold_until or not board.claim():
             return
         reason, since_s = trigger
         started = time.monotonic()
@@ -669,6 +671,9 @@ class Watchdog(threading.Thread):
         self._beat_while_leading()
         diagnosis = diagnose_answers(self.job.world, reason, since_s + time.monotonic() - started, answers,
                                      beats, self.machine, stacks, first_calls)
+        if diagnosis.kind == "ok" and reason != "finished":  # heartbeats a tick old (a rank shown still in
+            self.hold_until = time.monotonic() + HOLD_S  # init after it left it): a healthy job is left
+            return  # alone; the claim stays this rank's, and the next look reads fresh heartbeats
         self._compare_software(diagnosis, roster)
         diagnosis.notes.append(f"diagnosed inside the job by rank {self.job.rank} (on {self.host}), "
                                f"through the job's store at {self.job.master_addr}:{self.job.master_port}")
