@@ -575,14 +575,15 @@ def different_lines_summary(key: tuple[str, int], present: dict[int, Op], culpri
         where, extra = _where_now(each, positions.get(rank), key[1])
         text = f"{shapes_text(each.shapes) or 'unknown shape'} {','.join(each.dtypes or [])}".strip()
         said.append((rank, text + (f" at {where}" if where else "") + extra))
+    why = (_deciding_text(culprits, present, " ") or _rank_branch_text(culprits, present)
+           or _caller_branch_text(culprits, present, positions) or _next_turn(present, positions))
+    threads = "" if why else (", or a thread of their own issues collectives on the same group, in a "
+                              "different order on each rank")
+    why = why or swallowed_text(_at_call(each, positions.get(rank), key[1])
+                                for rank, each in sorted(present.items()))
     return (f"Ranks called {_op_name(op)} as collective #{key[1]} from different lines, with different "
             "shapes or dtypes: " + "; ".join(_together(said)) + ". On some ranks another call took this "
-            "number: the ranks took different paths, or a thread of their own issues collectives on the "
-            "same group, in a different order on each rank."
-            + (_deciding_text(culprits, present, " ") or _rank_branch_text(culprits, present)
-               or _caller_branch_text(culprits, present, positions) or _next_turn(present, positions)
-               or swallowed_text(_at_call(op, positions.get(rank), key[1])
-                                 for rank, op in sorted(present.items()))))
+            f"number: the ranks took different paths{threads}." + why)
 
 
 def _caller_branch_text(culprits: list[int], present: dict[int, Op], positions: dict[int, Position]) -> str:
