@@ -1878,7 +1878,8 @@ def test_a_rank_that_destroyed_the_group_while_others_needed_it_is_said_to_have(
     found = _failed_run(_destroys_its_group_early)
     assert found.ranks == [1], found.text()
     assert (f", after it destroyed the default process group at {HERE}:{_line('destroyed early')} "
-            "(destroy_process_group)") in found.summary, found.summary
+            f"(destroy_process_group, under 'if dist.get_rank() == 1 and step == 1:' at "
+            f"{HERE}:{_line('destroyed early') - 1}, a branch on the rank)") in found.summary, found.summary
     leftovers.check()
 
 

@@ -351,6 +351,8 @@ def _position(view: RankView) -> Position:
     pos = _position_of(view)
     if view.destroyed is not None and pos.state != "in-collective":
         pos.destroyed_at = str(view.destroyed.get("where") or "")
+        file, line = view.destroyed.get("file"), view.destroyed.get("line")
+        pos.destroyed_site = (file, line) if isinstance(file, str) and isinstance(line, int) else None
     return pos
 
 

@@ -289,6 +289,7 @@ class Position:
     exit_from: tuple[str, int] | None = None  # its caller's line in that loop (a function called there)
     exit_callers: list[tuple[str, int]] = field(default_factory=list)  # the calls up to it, innermost first
     destroyed_at: str = ""  # where it destroyed the default group ('train.py:10'), when it did
+    destroyed_site: tuple[str, int] | None = None  # that line's file and number
     timed_out: bool = False  # its wait was ended from outside: torch's timeout, or a signal as it waited
     callers: list[tuple[str, int, str]] = field(default_factory=list)  # the user's frames it was called
     #                                     from, outermost first: (file, line, where)

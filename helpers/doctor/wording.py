@@ -1342,7 +1342,9 @@ def _destroyed_text(pos: Position) -> str:
     others' collectives then fail with 'Connection closed by peer' ('' when it did not)."""
     if not pos.destroyed_at:
         return ""
-    return f", after it destroyed the default process group at {pos.destroyed_at} (destroy_process_group)"
+    under = _under_condition(*pos.destroyed_site) if pos.destroyed_site else ""
+    return (f", after it destroyed the default process group at {pos.destroyed_at} (destroy_process_group"
+            f"{f', {under}' if under else ''})")
 
 
 def missing_summary(missing: list[int], positions: dict[int, Position]) -> str:
