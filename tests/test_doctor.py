@@ -632,6 +632,25 @@ def test_a_rank_known_from_its_records_alone_is_compared_with_ranks_known_from_t
     assert diagnosis_module.first_divergence(histories) is None  # the Flight Recorder's ranks agree
 
 
+def test_a_rank_known_from_its_records_alone_in_an_object_list_call_is_compared_by_its_lists_length():
+    """Seen under torchrun: broadcast_object_list with a list of 2 on rank 0 and of 1 elsewhere; gloo
+    aborted ranks 1 and 2, known from their records alone ('broadcast_object_list', a list of 1),
+    while the others' Flight Recorder shows the call's first inner collective, the tensor of the
+    objects' sizes: one call, not 'different collectives' (all four ranks were blamed)."""
+    from helpers.doctor.records import Op
+
+    def recorded(rank: int, length: int) -> Op:
+        return Op(op="broadcast_object_list (broadcast)", seq=1, pg="0", shapes=[[length]], dtypes=["int64"],
+                  source="flight-recorder", where="cfg.py:18")
+
+    histories = {0: {("0", 1): recorded(0, 2)}, 3: {("0", 1): recorded(3, 1)}}
+    for rank in (1, 2):
+        histories[rank] = {("0", 1): Op(op="broadcast_object_list", seq=1, pg="0", shapes=[[1]],
+                                         dtypes=["object"], where="cfg.py:18")}
+    # one call on every rank (the lists' lengths are then compared from the ranks' own records)
+    assert diagnosis_module.first_divergence(histories, mixed=True) is None
+
+
 def test_two_threads_are_evidence_only_when_both_were_in_flight_at_the_end():
     main, other = ("140", True), ("977", False)
     turns = _view_of_calls([("all_reduce", 1, 19, 1.0, None), ("all_reduce", 2, 13, 1.2, None)],

@@ -887,10 +887,24 @@ def first_divergence(histories: dict[int, dict[tuple[str, int], Op]], mixed: boo
                    and (sources[r] == own or histories[r][key].shapes is not None)}
         if len(present) < 2:
             continue
+        present = _object_lists_as_recorded(present, {r for r in present if sources[r] != own})
         groups = _grouped(present)
         if len(groups) > 1 or split_mismatch(present):
             return key, groups, present
     return None
+
+
+def _object_lists_as_recorded(present: dict[int, Op], others: set[int]) -> dict[int, Op]:
+    """Ranks known from their Python records alone (``others``) in an object-list call that the
+    rest's Flight Recorder shows by its first inner collective ('broadcast_object_list (broadcast)',
+    the tensor of the objects' sizes, as long as the list): compared as that collective, their
+    lists' lengths being its shape."""
+    names = {op.op for rank, op in present.items() if rank not in others and " (" in op.op}
+    if not others or len(names) != 1:
+        return present
+    seen = next(op for rank, op in present.items() if rank not in others and op.op in names)
+    return {rank: replace(op, op=seen.op, dtypes=seen.dtypes) if rank in others and op.dtypes == ["object"]
+            and seen.op.startswith(f"{op.op} (") else op for rank, op in present.items()}
 
 
 def _grouped(present: dict[int, Op]) -> dict[tuple, list[int]]:
