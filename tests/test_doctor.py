@@ -546,6 +546,10 @@ def test_a_known_error_leads_the_fix_only_for_a_culprit_that_raised_it():
     assert wording.fix("rank-exited", [Position(1, "exited", detail="raised ValueError: bad row.")]) == (
         doctor.FIXES["rank-exited"])
     assert wording.fix("rank-missing", []) == doctor.FIXES["rank-missing"]
+    # unseen script: DDP with find_unused_parameters=True, a step skipped after its forward on a NaN loss
+    twice = Position(1, "exited", detail="raised RuntimeError: Expected to mark a variable ready only once. "
+                                         "This error is caused by one of the following reasons: ...")
+    assert wording.fix("rank-exited", [twice]).startswith("DDP marked a parameter's gradient ready twice")
     # NCCL asked for where it cannot run: a CPU build of torch (as here), or a machine without GPUs
     for error in ("RuntimeError: Distributed package doesn't have NCCL built in",
                   "ValueError: ProcessGroupNCCL is only supported with GPUs, no GPUs found!"):

@@ -86,6 +86,13 @@ DATALOADER_CURE = (
 # first. Each message is torch's own (2.13): DDP's reducer (reducer.cpp), the DataLoader
 # (torch/utils/data/dataloader.py) and the caching allocator (CUDACachingAllocator.cpp).
 KNOWN_ERRORS = [
+    (re.compile(r"Expected to mark a variable ready only once"),
+     "DDP marked a parameter's gradient ready twice in one step on that rank: most often its previous "
+     "forward had no backward (a step skipped after the forward, as a continue on a NaN loss does, with "
+     "find_unused_parameters=True), or a parameter was used in two reentrant backward passes (activation "
+     "checkpointing with use_reentrant=True). Skip a step on every rank together (reduce the skip's "
+     "condition first) or run the backward of a zero loss (loss * 0) instead of skipping it; for "
+     "checkpointing pass use_reentrant=False."),
     (re.compile(r"Expected to have finished reduction in the prior iteration"),
      "DDP: some parameters got no gradient on that rank in the last step (a branch of the model it "
      "skipped), so its gradient all-reduce never started while the other ranks waited in theirs. Make "
@@ -217,7 +224,9 @@ REPEATED_CALL_CURE = (
 UNEVEN_LOOP_CURE = (
     "Give every rank the same number of iterations: keep accelerate's even_batches=True (its default: "
     "the last batch is filled with samples from the start; it applies to a DataLoader given to "
-    "accelerator.prepare, which shards it, not to one built per rank by hand), or torch's "
+    "accelerator.prepare, which shards it, not to one built per rank by hand, nor to a sampler of your "
+    "own that yields a different number of indices per rank: filter the dataset before it is sharded), "
+    "or torch's "
     "DistributedSampler (drop_last=False pads with repeated samples, drop_last=True drops the "
     "remainder), and decide a break on every rank "
     "together (accelerator.set_trigger() / accelerator.check_trigger()). For inputs uneven on purpose: "
