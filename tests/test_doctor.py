@@ -1692,6 +1692,24 @@ def test_a_monitored_barrier_that_times_out_names_the_rank_that_never_came_not_t
     leftovers.check()
 
 
+def test_a_monitored_barrier_of_every_rank_that_timed_out_gets_its_own_timeouts_cure():
+    # wait_all_ranks=True words it 'Ranks 2 failed to pass monitoredBarrier in 3000 ms' (unseen script,
+    # under torchrun: the slow rank was only loading its shard)
+    views = {rank: doctor.RankView(rank) for rank in range(3)}
+    errors = {0: "RuntimeError: [Rank 0]: Ranks 2 failed to pass monitoredBarrier in 3000 ms",
+              1: "RuntimeError: Rank 1 successfully reached monitoredBarrier, but received errors while "
+                 "waiting for send/recv from rank 0."}
+    for rank, error in errors.items():
+        views[rank].apply({"ev": "op", "id": 1, "op": "monitored_barrier", "pg": "0", "seq": 1, "t": 1.0,
+                           "where": "resume.py:11", "file": "resume.py", "line": 11})
+        views[rank].apply({"ev": "end", "id": 1, "t": 4.0, "ok": False, "error": error})
+        views[rank].apply({"ev": "exit", "status": "raised", "t": 4.1, "error": error})
+        views[rank].ended, views[rank].exit_code = True, 1
+    found = doctor.diagnose(views, 3, "failure", 3.0)
+    assert (found.kind, found.ranks) == ("rank-missing", [2]), found.text()
+    assert found.fix.startswith(wording.MONITORED_TIMEOUT_CURE), found.fix
+
+
 def _two_ranks_raise_alike():
     import torch.distributed as dist
 

@@ -577,7 +577,8 @@ _COMM_ERROR = re.compile(r"gloo|nccl|Connection (reset|closed|refused)|DistBacke
                          re.IGNORECASE)
 # a wait ended from outside: torch's timeout, or the rank stopped as it waited (a signal torch turned
 # into an exception, Ctrl-C): an echo of what held it, never its own cause
-_ENDED_WAITING = re.compile(r"timed out|timeout|SignalException|got signal|KeyboardInterrupt", re.IGNORECASE)
+_ENDED_WAITING = re.compile(r"timed out|timeout|SignalException|got signal|KeyboardInterrupt|"
+                            r"failed to pass monitoredBarrier", re.IGNORECASE)
 # init_process_group's errors while it waited for the other ranks: gloo waits for each rank's address
 # in the store ('DistStoreError: wait timeout after 90000ms, keys: /default_pg/0//cpu//0/1', torch
 # 2.13), or the rank was stopped as it waited (torchrun's SIGTERM: 'SignalException: Process 7 got
