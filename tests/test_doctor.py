@@ -1710,6 +1710,23 @@ def test_a_monitored_barrier_of_every_rank_that_timed_out_gets_its_own_timeouts_
     assert found.fix.startswith(wording.MONITORED_TIMEOUT_CURE), found.fix
 
 
+def test_groups_created_in_different_orders_on_different_ranks_are_named_before_anything_else():
+    # unseen script: each rank created its own groups first (mine + others), so group 1 is the
+    # tensor-parallel pair of each half; torch stopped with no pattern the doctor knew
+    views = {rank: doctor.RankView(rank) for rank in range(4)}
+    for rank, view in views.items():
+        pair = [0, 1] if rank < 2 else [2, 3]
+        view.apply({"ev": "op", "id": 1, "op": "all_reduce", "pg": "1", "pg_ranks": pair, "seq": 1, "t": 1.0,
+                    "shapes": [[4]], "dtypes": ["float32"], "where": "train.py:12", "file": "train.py",
+                    "line": 12})
+    found = doctor.diagnose(views, 4, "stall", 5.0)
+    assert (found.kind, found.ranks) == ("collective-mismatch", [0, 1, 2, 3]), found.text()
+    assert found.summary.startswith("Group 1 is ranks 0 and 1 on ranks 0 and 1, but ranks 2 and 3 on ranks 2 "
+                                    "and 3: the ranks created their process groups in different orders."), \
+        found.summary
+    assert found.fix.startswith(wording.GROUP_ORDER_CURE), found.fix
+
+
 def _two_ranks_raise_alike():
     import torch.distributed as dist
 

@@ -722,6 +722,24 @@ def _posted_p2p(view: RankView) -> list[Op]:
     return sorted((op for op in view.open.values() if op.async_ and op.p2p), key=lambda op: op.start or 0.0)
 
 
+def _groups_made_in_different_orders(views: dict[int, RankView]
+                                     ) -> tuple[list[int], str, dict[tuple[int, ...], list[int]]] | None:
+    """(the ranks, the group's name, {its members as each rank has them: those ranks}) when one
+    group name holds different ranks on different ranks: torch names a group by the order
+    new_group was called, which must be the same on every rank (members or not), or the groups'
+    rendezvous keys meet across groups. None otherwise."""
+    seen: dict[str, dict[tuple[int, ...], set[int]]] = {}
+    for rank, view in views.items():
+        for op in view.python_ops():
+            if op.pg != WORLD_PG and op.pg_ranks:
+                seen.setdefault(op.pg, {}).setdefault(tuple(op.pg_ranks), set()).add(rank)
+    for name, members in sorted(seen.items()):
+        if len(members) > 1:
+            ranks = sorted({rank for holders in members.values() for rank in holders})
+            return ranks, name, {key: sorted(holders) for key, holders in sorted(members.items())}
+    return None
+
+
 def _innermost_user_frame(stack: list[dict[str, Any]]) -> dict[str, Any] | None:
     for frame in reversed(stack):
         if frame.get("user"):
@@ -745,6 +763,10 @@ def _own_frame(stack: list[dict[str, Any]]) -> dict[str, Any] | None:
 def _classify(positions: dict[int, Position], histories: dict[int, dict], views: dict[int, RankView]):
     """(kind, culprits, summary), and a cure when the evidence tells one that the culprits'
     positions do not (split sizes that do not pair up)."""
+    reordered = _groups_made_in_different_orders(views)
+    if reordered is not None:  # every later collective of those groups is meaningless: this first
+        summary = wording.group_order_summary(*reordered)
+        return "collective-mismatch", reordered[0], summary, wording.GROUP_ORDER_CURE
     divergence = first_divergence(histories, mixed=not any(view.used_p2p for view in views.values()))
     python_histories = {rank: python_history(view) for rank, view in views.items()}
     python = first_divergence(python_histories)

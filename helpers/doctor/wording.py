@@ -1464,6 +1464,22 @@ def threads_text(threads: dict[int, dict[str, tuple[Op, bool]]]) -> str:
             f"threads: {listed}{also}.{THREADS_MEET}")
 
 
+def group_order_summary(ranks: list[int], name: str, members: dict[tuple[int, ...], list[int]]) -> str:
+    """'Group 1 is ranks 0 and 1 on ranks 0 and 1, but ranks 2 and 3 on ranks 2 and 3: ...'."""
+    held = [f"{ranks_text(list(key)).lower()} on {ranks_text(holders).lower()}"
+            for key, holders in members.items()]
+    return (f"Group {name} is {', but '.join(held)}: the ranks created their process groups in different "
+            "orders. torch numbers a group by the order new_group is called, on every rank, members or not, "
+            "so groups of different ranks took one name and meet in one another's collectives (some pass, "
+            "some wait for ranks that are in another group).")
+
+
+GROUP_ORDER_CURE = (
+    "Create every process group in the same order with the same ranks on every rank, members or not: "
+    "loop over one fixed list of groups (for ranks in TP + DP: dist.new_group(ranks)), not the rank's own "
+    "groups first; dist.new_subgroups_by_enumeration or init_device_mesh make them all in one call.")
+
+
 def group_text(op: Op, members: dict[str, list[int]]) -> str:
     """'the default group' (torch names it "0"), 'group 1 (ranks 2 and 3)', "group 1 'mesh_dp'
     (ranks 0 and 2)" (torch's description of a DeviceMesh dimension's group) for an op's group."""
