@@ -1313,14 +1313,14 @@ def _loop_ran_longer(exited: list[int], positions: dict[int, Position], historie
         return None
     for rank in exited:
         last = histories.get(rank, {}).get((waiting[0].op.pg, positions[rank].seq or 0))
-        if last is None or any(not _same_call(last, p) or (p.seq or 0) <= (positions[rank].seq or 0)
+        if last is None or any(not _waited_in(last, p) or (p.seq or 0) <= (positions[rank].seq or 0)
                                for p in waiting):
             return None
     header = enclosing_loop(waiting[0].file, waiting[0].line)
     return None if header is None else f"{Path(waiting[0].file).name}:{header}"
 
 
-def _same_call(last: Op, waiting: Position) -> bool:
+def _waited_in(last: Op, waiting: Position) -> bool:
     """Is a finished rank's last collective the call a waiting rank waits in: the same line, or,
     for one known from the Flight Recorder alone (DDP's, issued from C++: no line), the same op?"""
     if last.where is not None or waiting.op is None:
