@@ -410,14 +410,15 @@ class Watchdog(threading.Thread):
                 if time.monotonic() >= end:
                     raise
                 time.sleep(0.5)
+        if self.tracer is not None:  # at once: the script runs meanwhile, and may die by SIGKILL soon
+            self.tracer.on_first = self._post_first_call
         try:
             posted = software.rank_software(self.command)
         except Exception:  # noqa: BLE001 - what it runs is a note; watching the rank is the job
             posted = {}
+        self._read_own_records(wait_s=FLUSH_WAIT_S)  # the calls made before the store was reached
         self.board.join(self.heartbeat(), posted)
         self.settled.set()
-        if self.tracer is not None:
-            self.tracer.on_first = self._post_first_call
 
     def _post_first_call(self, record_text: str) -> None:
         """The tracer's ``on_first``, in the main thread: post a first call's record before it runs
