@@ -7,7 +7,7 @@ them (rank numbers, ops, the user's ``file:line``, what a rank outside any colle
 from __future__ import annotations
 
 import re
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import Any, NamedTuple
 
@@ -603,12 +603,12 @@ def _caller_branch_text(culprits: list[int], present: dict[int, Op], positions: 
         pos = positions.get(rank)
         if pos is None or pos.op is None or present.get(rank) is None or pos.where != present[rank].where:
             continue
-        caller = next(((file, line, where) for file, line, where in pos.callers
-                       if rank_condition(file, line)), None)
-        if caller is not None and caller[2] != pos.where:
-            found = rank_condition(caller[0], caller[1])
-            return (f" Rank {rank}'s call at {caller[2]} is under {_branch_words(found, caller[0])}, a "
-                    "branch on the rank.")
+        branch = _branch_site(pos)  # the caller's line in the branch
+        caller = next((frame for frame in pos.callers if frame[2] == branch), None) if branch else None
+        found = rank_condition(caller[0], caller[1]) if caller is not None else None
+        if caller is not None and found is not None:
+            return (f" Rank {rank}'s call at {branch} is under {_branch_words(found, caller[0])}, a branch "
+                    "on the rank.")
     return ""
 
 
@@ -811,16 +811,24 @@ def _turn_skipped_on_stacks(sites: dict[int, tuple[str, int] | None], positions:
     if len(stacks) != 2:
         return None
     (one, one_ranks), (other, other_ranks) = stacks.items()
+    depth = _parting(one, other)
+    if depth is None:
+        return None
+    (first, early, _), (call, late, below) = sorted([(one[depth], one_ranks, one),
+                                                     (other[depth], other_ranks, other)])
+    if not _one_turn_apart(first[0], first[1], call[1]):
+        return None
+    return TurnSkipped(sorted(early), sorted(late), first[0], enclosing_loop(*call) or 0, first[1], call[1],
+                       list(below[depth + 1:]))
+
+
+def _parting(one: Sequence[tuple[str, int]], other: Sequence[tuple[str, int]]) -> int | None:
+    """The depth at which two stacks of user frames (outermost first) part, when they part at two
+    lines of one function (the same calls above); None otherwise."""
     for depth, (here, there) in enumerate(zip(one, other, strict=False)):
-        if here == there:
-            continue
-        if here[0] != there[0] or enclosing_function(*here) != enclosing_function(*there):
-            return None
-        (first, early, _), (call, late, below) = sorted([(here, one_ranks, one), (there, other_ranks, other)])
-        if not _one_turn_apart(first[0], first[1], call[1]):
-            return None
-        return TurnSkipped(sorted(early), sorted(late), first[0], enclosing_loop(*call) or 0, first[1],
-                           call[1], list(below[depth + 1:]))
+        if here != there:
+            same = here[0] == there[0] and enclosing_function(*here) == enclosing_function(*there)
+            return depth if same else None
     return None
 
 
@@ -936,22 +944,21 @@ def _user_frames(pos: Position | None) -> list[tuple[str, int]]:
 
 def _parted(stay: list[tuple[str, int]], leave: list[tuple[str, int]]) -> _LoopLeft | None:
     """``_loop_returned_from`` for one leaver's frames against the stayers'."""
-    for depth, (here, there) in enumerate(zip(stay, leave, strict=False)):
-        if here == there:
-            continue
-        file, line = here
-        if there[0] != file or there[1] <= line or enclosing_function(*here) != enclosing_function(*there):
-            return None
-        if share_a_loop(file, line, there[1]) and any(_under_condition(*frame) for frame in leave[depth:]):
-            return None  # a turn ahead past a call of its own (see ``_left_loop``)
-        header = loop_left(file, line, there[1])
-        if header is not None:
-            return file, header, line, None
-        for inner in stay[depth + 1:]:
-            header = loop_returned_from(*inner)
-            if header is not None:
-                return inner[0], header, inner[1], here
+    depth = _parting(stay, leave)
+    if depth is None:
         return None
+    (file, line), there = stay[depth], leave[depth]
+    if there[1] <= line:
+        return None
+    if share_a_loop(file, line, there[1]) and any(_under_condition(*frame) for frame in leave[depth:]):
+        return None  # a turn ahead past a call of its own (see ``_left_loop``)
+    header = loop_left(file, line, there[1])
+    if header is not None:
+        return file, header, line, None
+    for inner in stay[depth + 1:]:
+        header = loop_returned_from(*inner)
+        if header is not None:
+            return inner[0], header, inner[1], stay[depth]
     return None
 
 
