@@ -32,7 +32,7 @@ from helpers.collectives import (
     canonical_op,
 )
 from helpers.doctor import wording
-from helpers.doctor.records import WORLD_PG, Evidence, Op, Position, RankView, fr_op
+from helpers.doctor.records import KEPT_OPS, WORLD_PG, Evidence, Op, Position, RankView, fr_op
 from helpers.doctor.source import (
     enclosing_function,
     enclosing_loop,
@@ -813,7 +813,11 @@ def _classify(positions: dict[int, Position], histories: dict[int, dict], views:
         return "collective-mismatch", crossed, wording.crossed_p2p_summary(crossed, positions)
     unanswered = _unanswered_p2p(positions)
     if unanswered:
-        return "rank-missing", sorted(set(unanswered.values())), wording.p2p_summary(unanswered, positions)
+        fewer = {rank: found for rank, peer in unanswered.items()
+                 if (found := _fewer_matches(positions[rank], peer, views)) is not None}
+        summary = wording.p2p_summary(unanswered, positions, fewer)
+        cures = [wording.LOOP_EXIT_CURE] if wording.LOOP_EXITS in summary else []
+        return "rank-missing", sorted(set(unanswered.values())), summary, *cures
     skipped = _skipped_group_collective(positions, histories)
     if skipped is not None:
         ranks, waiter, members, crossed = skipped
@@ -1426,6 +1430,25 @@ def _unanswered_p2p(positions: dict[int, Position]) -> dict[int, int]:
     """Ranks waiting in a send or recv whose peer waits in another operation, not in the matching
     recv or send to them: {waiting rank: its peer} (the peer is the rank that never arrives)."""
     return {pos.rank: peer.rank for pos, peer in _p2p_waits(positions) if not _facing(pos, peer)}
+
+
+def _fewer_matches(waiting: Position, peer: int, views: dict[int, RankView]) -> wording.FewerMatches | None:
+    """When ``peer`` posted fewer matches for the sends (receives) of ``waiting``'s rank to it than
+    that rank made, as their Python records tell: the counts and the peer's last matching call (a
+    pipeline stage that skipped a micro-batch's recv); None when the counts agree or are unknown."""
+    if waiting.op.batch or peer not in views or waiting.rank not in views:
+        return None
+    ops = {rank: views[rank].python_ops() for rank in (waiting.rank, peer)}
+    if any(len(kept) >= KEPT_OPS for kept in ops.values()):  # the oldest were let go: no count
+        return None
+    sending = not wording.receives(waiting.op)
+    made = [op for op in ops[waiting.rank]
+            if op.p2p and not op.batch and op.peer == peer and wording.receives(op) != sending]
+    matched = [op for op in ops[peer]
+               if op.p2p and not op.batch and op.peer == waiting.rank and wording.receives(op) == sending]
+    if not matched or len(matched) >= len(made) or matched[-1].file is None:
+        return None
+    return wording.FewerMatches(len(matched), len(made), matched[-1])
 
 
 def _skipped_group_collective(positions: dict[int, Position], histories: dict[int, dict]):

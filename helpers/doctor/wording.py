@@ -1528,8 +1528,19 @@ def crossed_p2p_summary(crossed: list[int], positions: dict[int, Position]) -> s
             "need not return before its peer posts the recv).")
 
 
-def p2p_summary(unanswered: dict[int, int], positions: dict[int, Position]) -> str:
-    """Ranks waiting in a send or recv whose peer is in another operation and posts no match."""
+class FewerMatches(NamedTuple):
+    """A peer that posted fewer receives (sends) for a rank than that rank made sends (receives)."""
+
+    posted: int
+    made: int
+    last: Op  # the peer's last matching call
+
+
+def p2p_summary(unanswered: dict[int, int], positions: dict[int, Position],
+                fewer: dict[int, FewerMatches] | None = None) -> str:
+    """Ranks waiting in a send or recv whose peer is in another operation and posts no match;
+    ``fewer``: for a waiting rank, what its peer's records tell of the matches it did post (how
+    many, where, and what in the loop around them can skip one)."""
     parts = []
     for rank, peer in sorted(unanswered.items()):
         pos, other = positions[rank], positions[peer]
@@ -1540,7 +1551,25 @@ def p2p_summary(unanswered: dict[int, int], positions: dict[int, Position]) -> s
         verb, match = ("receive from", "send to") if receives(pos.op) else ("send to", "recv from")
         parts.append(f"Rank {rank} waits to {verb} rank {peer} ({_op_name(pos.op)}{_at(pos)}), but rank "
                      f"{peer} is in {_op_name(other.op)}{_at(other)}, with no {match} rank {rank}")
-    return "; ".join(parts) + ". Every send needs the matching recv on its peer, in the same order."
+    skips = "".join(_fewer_matches_text(rank, unanswered[rank], found)
+                    for rank, found in sorted((fewer or {}).items()))
+    return "; ".join(parts) + ". Every send needs the matching recv on its peer, in the same order." + skips
+
+
+def _fewer_matches_text(rank: int, peer: int, found: FewerMatches) -> str:
+    """' Rank 3 received from rank 2 3 times (recv at pp.py:18, inside the loop at pp.py:11), and rank
+    2 sent to it 4 times. In that loop, the continue at pp.py:13 (...) skips the rest of its turn...'."""
+    last, name = found.last, Path(found.last.file).name
+    verb, other = ("received from", "sent to it") if receives(last) else ("sent to", "received from it")
+    loop = enclosing_loop(last.file, last.line)
+    inside = f", inside the loop at {name}:{loop}" if loop else ""
+    exits = loop_exits_text(last.file, loop, last.line) if loop else ""
+    return (f" Rank {peer} {verb} rank {rank} {_times(found.posted)} ({_op_name(last)} at {name}:{last.line}"
+            f"{inside}), and rank {rank} {other} {_times(found.made)}.{exits}")
+
+
+def _times(count: int) -> str:
+    return "once" if count == 1 else "twice" if count == 2 else f"{count} times"
 
 
 def unknown_summary(positions: dict[int, Position]) -> str:
