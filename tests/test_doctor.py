@@ -165,7 +165,7 @@ def _stage_skips_a_micro_batch():
     rank, scored = dist.get_rank(), []
     for micro_batch in range(4):  # line: micro-batch loop
         if rank == 1 and micro_batch == 2:  # the last stage has nothing to score in this one
-            continue  # line: skip
+            continue  # line: stage skip
         if rank == 0:
             dist.send(torch.full((4,), float(micro_batch)), dst=1)  # line: stage send
         else:
@@ -179,11 +179,11 @@ def test_a_pipeline_stage_that_skipped_a_recv_is_named_with_the_continue_that_sk
     # an unseen script: the last stage skips a micro-batch; its stage before it blocks in the 4th send
     found = _hung_run(_stage_skips_a_micro_batch, num_processes=2)
     assert (found.verdict, found.kind, found.ranks) == ("hang", "rank-missing", [1]), found.summary
-    at = {name: f"{HERE}:{_line(name)}" for name in ("stage send", "stage recv", "stage reduce", "skip")}
+    at = {name: f"{HERE}:{_line(f'stage {name}')}" for name in ("send", "recv", "reduce", "skip")}
     assert found.summary.startswith(
-        f"Rank 0 waits to send to rank 1 (send at {at['stage send']}), but rank 1 is in all_reduce at "
-        f"{at['stage reduce']}, with no recv from rank 0. Every send needs the matching recv on its peer, "
-        f"in the same order. Rank 1 received from rank 0 3 times (recv at {at['stage recv']}, inside the "
+        f"Rank 0 waits to send to rank 1 (send at {at['send']}), but rank 1 is in all_reduce at "
+        f"{at['reduce']}, with no recv from rank 0. Every send needs the matching recv on its peer, "
+        f"in the same order. Rank 1 received from rank 0 3 times (recv at {at['recv']}, inside the "
         f"loop at {HERE}:{_line('micro-batch loop')}), and rank 0 sent to it 4 times. {wording.LOOP_EXITS}"
         f"the continue at {at['skip']} (if rank == 1 and micro_batch == 2)"), found.summary
     assert found.fix.startswith(wording.LOOP_EXIT_CURE), found.fix
