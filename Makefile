@@ -24,7 +24,7 @@ report: $(STAMP)
 
 test: $(STAMP)
 	$(PY) -m ruff check helpers tests bench
-	$(PY) -m pytest -n 2 --dist loadgroup tests
+	$(PY) -m pytest tests
 	$(PY) -m pytest --nbval-lax notebooks -p no:cacheprovider
 
 # jupyter refuses to start as root (containers often are) without --allow-root

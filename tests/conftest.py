@@ -83,10 +83,7 @@ def in_parallel(function: Callable, items: Iterable, at_once: int = 3) -> list:
 
     For runs that mostly wait (a stall, a process-group timeout, a launcher's teardown): on this
     2-core machine a few overlap without slowing each other much; an exception is raised as is.
-    Under pytest-xdist (make test) the other worker runs its tests beside them: 2 at most then.
     """
-    if os.environ.get("PYTEST_XDIST_WORKER"):
-        at_once = min(at_once, 2)
     with ThreadPoolExecutor(at_once) as pool:
         return list(pool.map(function, items))
 
@@ -165,50 +162,6 @@ def notebook_text_outputs(nb: dict) -> str:
             if out.get("output_type") == "error":
                 parts.append(out.get("ename", "") + ": " + out.get("evalue", ""))
     return "\n".join(parts)
-
-
-def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """Under pytest-xdist (``make test``: ``-n 2 --dist loadgroup``) one worker runs each test file
-    whole, in order, and the files that share a session fixture (the report runs) together, so that
-    fixture runs once. Whole files, not single tests: two tests of one file at once (two jobs of
-    four ranks each on 2 cores) starve each other's ranks, and many tests here time how ranks stall.
-    Without xdist nothing changes."""
-    if not config.pluginmanager.hasplugin("xdist"):
-        return
-    parent: dict[str, str] = {}
-
-    def root(key: str) -> str:
-        while parent.setdefault(key, key) != key:
-            key = parent[key]
-        return key
-
-    keys = {item: [item.nodeid.partition("::")[0], *_session_fixtures(item)] for item in items}
-    for file, *shared in keys.values():
-        for key in shared:
-            parent[root(key)] = root(file)
-    for item, (file, *_shared) in keys.items():
-        if not item.get_closest_marker("xdist_group"):
-            item.add_marker(pytest.mark.xdist_group(root(file)))
-
-
-def _session_fixtures(item: pytest.Item) -> list[str]:
-    """The session-scoped fixtures of this suite that ``item`` asks for, directly or through other
-    fixtures (autouse ones, which every worker may run for itself, only where asked for)."""
-    info = getattr(item, "_fixtureinfo", None)
-    if info is None:  # not a python test function
-        return []
-    found, seen, todo = [], set(), list(info.argnames)
-    while todo:
-        name = todo.pop()
-        definitions = info.name2fixturedefs.get(name)
-        if name in seen or not definitions:
-            continue
-        seen.add(name)
-        fixture = definitions[-1]
-        todo.extend(fixture.argnames)
-        if fixture.baseid and fixture.scope == "session":  # not pytest's own (tmp_path_factory)
-            found.append(name)
-    return sorted(found)
 
 
 @pytest.fixture(scope="session", autouse=True)
