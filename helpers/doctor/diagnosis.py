@@ -1441,14 +1441,18 @@ def _fewer_matches(waiting: Position, peer: int, views: dict[int, RankView]) -> 
     ops = {rank: views[rank].python_ops() for rank in (waiting.rank, peer)}
     if any(len(kept) >= KEPT_OPS for kept in ops.values()):  # the oldest were let go: no count
         return None
-    sending = not wording.receives(waiting.op)
-    made = [op for op in ops[waiting.rank]
-            if op.p2p and not op.batch and op.peer == peer and wording.receives(op) != sending]
-    matched = [op for op in ops[peer]
-               if op.p2p and not op.batch and op.peer == waiting.rank and wording.receives(op) == sending]
+    receiving = wording.receives(waiting.op)
+    made = _p2p_with(ops[waiting.rank], peer, receiving)
+    matched = _p2p_with(ops[peer], waiting.rank, not receiving)
     if not matched or len(matched) >= len(made) or matched[-1].file is None:
         return None
     return wording.FewerMatches(len(matched), len(made), matched[-1])
+
+
+def _p2p_with(ops: list[Op], peer: int, receiving: bool) -> list[Op]:
+    """The single receives (``receiving``) or sends among ``ops`` whose peer is ``peer``."""
+    return [op for op in ops
+            if op.p2p and not op.batch and op.peer == peer and wording.receives(op) == receiving]
 
 
 def _skipped_group_collective(positions: dict[int, Position], histories: dict[int, dict]):
