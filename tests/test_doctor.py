@@ -2724,6 +2724,22 @@ def test_a_rank_that_ends_cleanly_before_init_process_group_is_named_while_the_o
     assert "rank 0 in init_process_group at train.py:4" in found.summary, found.summary
 
 
+def test_a_progress_note_written_after_the_end_of_the_collective_it_saw_running_is_stale():
+    # CI under load: the helper thread noted [5 enqueued, 4 done] during the 5th all_reduce, the
+    # main thread ended it, and the note was written after the end's record: the rank, asleep in
+    # its own code, showed as waiting in a collective "issued outside Python" and nothing was named
+    view = doctor.RankView(0)
+    view.apply({"ev": "op", "id": 5, "op": "all_reduce", "pg": "0", "seq": 5, "t": 1.0})
+    view.apply({"ev": "end", "id": 5, "t": 1.2, "ok": True})
+    view.apply({"ev": "pg", "t": 1.3, "pg": {"0": [5, 4]}})
+    assert (view.waiting_since(), view.pending_seq(), view.progress) == (None, None, {"0": [5, 5]})
+    view.apply({"ev": "pg", "t": 1.4, "pg": {"0": [6, 5]}})  # the next one, really waited in
+    assert view.pending_seq() == 6
+    view.apply({"ev": "destroy", "t": 2.0})  # a new group counts from 1 again
+    view.apply({"ev": "pg", "t": 2.1, "pg": {"0": [1, 0]}})
+    assert view.pending_seq() == 1
+
+
 def test_a_progress_note_taken_during_a_collective_is_superseded_by_its_end():
     # CI: the helper noted [6 enqueued, 5 done] inside the last barrier; the script then destroyed
     # the group (no later note) and polled a file: it showed as waiting in #6 and was called a hang

@@ -27,7 +27,7 @@ from conftest import result_of, run_each
 
 from helpers import doctor, procs, scenarios
 from helpers.doctor import EXIT_CODES, job, leader, runs, wording
-from helpers.doctor.board import Board
+from helpers.doctor.board import Board, Seen
 
 FIXTURE = Path(__file__).parent / "fixtures" / "job" / "job_script.py"
 STALL_S = 4.0
@@ -250,6 +250,17 @@ def test_a_script_that_changes_its_working_folder_leaves_the_json_where_the_job_
     assert not list(moved.iterdir()), list(moved.iterdir())
     assert (outcome.node_dirs[1] / runs.JOB_KEEP).is_dir()
     leftovers.check()
+
+
+def test_a_rank_that_finished_before_init_waits_for_every_rank_to_join_before_it_is_judged():
+    # CI under load: rank 1 was still importing (its watchdog not yet on the board) when rank 3 ended
+    # before init_process_group; judged at once, rank 1 was named "ended, nothing of it seen" too
+    in_init = {"pending": 0, "last": 0, "wait": 0.5, "machine": "here", "pid": os.getpid()}
+    beats = {0: Seen(in_init), 2: Seen(in_init),
+             3: Seen({"last": 0, "exit": {"status": "finished"}, "machine": "elsewhere"})}
+    assert leader.should_diagnose(beats, 4, STALL_S, "here") is None
+    beats[1] = Seen({"pending": None, "last": None, "wait": None, "machine": "here", "pid": os.getpid()})
+    assert leader.should_diagnose(beats, 4, STALL_S, "here") == ("exited", 0.0)
 
 
 def test_ranks_that_run_the_same_software_get_no_note():

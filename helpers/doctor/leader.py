@@ -74,7 +74,7 @@ def should_diagnose(beats: dict[int, Seen], world: int, stall_s: float,
         return "finished", 0.0
     running = {rank: seen for rank, seen in beats.items() if not ends[rank]}
     for rank, end in ends.items():
-        if end.get("status") != "finished":
+        if end.get("status") != "finished" or len(beats) < world:  # a rank yet to join may be importing
             continue
         last = beats[rank].beat.get("last") or 0
         pending = [seen.beat.get("pending") for seen in running.values()]

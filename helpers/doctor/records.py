@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from helpers import rundir
-from helpers.collectives import FR_DTYPES, SHAPE_CHECKED, canonical_op
+from helpers.collectives import FR_DTYPES, INIT_OP, SHAPE_CHECKED, canonical_op
 
 KEPT_OPS = 4096  # Python-level records kept per rank in memory
 
@@ -115,6 +115,7 @@ class RankView:
     workers: list[dict[str, Any]] = field(default_factory=list)  # its DataLoader workers' stacks (py-spy)
     used_p2p: bool = False  # a p2p op was recorded: the groups' progress numbers differ from "seq"
     destroyed: dict[str, Any] | None = None  # its destroy_process_group's record (where it was called)
+    completed: dict[str, int] = field(default_factory=dict)  # per group, the highest number seen to end
 
     def apply(self, event: dict[str, Any]) -> None:
         """Fold one trace record into the view."""
@@ -135,6 +136,7 @@ class RankView:
             self.hello = True
         elif kind == "destroy":  # the default group destroyed (destroy_process_group), from this line
             self.destroyed = event
+            self.completed = {}  # a new group counts from 1 again
 
     def _start(self, event: dict[str, Any]) -> None:
         op = Op(op=event["op"], pg=event.get("pg", "0"), seq=event.get("seq"), shapes=event.get("shapes"),
@@ -154,6 +156,8 @@ class RankView:
         self.ops[event["id"]] = op
         self.open[event["id"]] = op
         self.used_p2p = self.used_p2p or op.p2p
+        if op.op == INIT_OP:  # a new group counts from 1 again
+            self.completed = {}
         if self.group_up_t is None:
             self.group_up_t = event["t"]
 
@@ -169,13 +173,17 @@ class RankView:
     def _completed(self, op: Op) -> None:
         """A collective's end says its number completed: a progress note taken while it ran (the
         last, when the script then destroys the group) must not show the rank waiting in it."""
+        if op.p2p or self.used_p2p or not op.seq:
+            return
+        self.completed[op.pg] = max(self.completed.get(op.pg, 0), op.seq)
         entry = self.progress.get(op.pg)
-        if op.p2p or self.used_p2p or not op.seq or entry is None:
+        if entry is None:
             return
         if entry[1] < op.seq <= entry[0]:
             self.progress = {**self.progress, op.pg: [entry[0], op.seq]}
 
     def _progress(self, progress: dict[str, list[int]], t: float) -> None:
+        progress = self._not_before_completed(progress)
         if self.group_up_t is None:
             self.group_up_t = t
         for name, (_enq, done) in progress.items():
@@ -184,6 +192,15 @@ class RankView:
         if progress != self.progress:
             self.progress, self.progress_t = progress, t
         self._close_completed(t)
+
+    def _not_before_completed(self, progress: dict[str, list[int]]) -> dict[str, list[int]]:
+        """``progress`` with no group behind a collective whose end is on file: under load the helper
+        thread can note the groups' progress during a call and write the note after that call's end
+        (the rank then showed as waiting in a collective it had finished)."""
+        if self.used_p2p or not self.completed:
+            return progress
+        return {name: [max(enqueued, self.completed.get(name, 0)), max(done, self.completed.get(name, 0))]
+                for name, (enqueued, done) in progress.items()}
 
     def _close_completed(self, t: float) -> None:
         """Close the open calls that the groups' progress shows completed: their ends were not on

@@ -136,9 +136,9 @@ class Helper(threading.Thread):
 
     def _poll(self, ready: list[int]) -> None:
         """Note progress, answer requests, and write the state once when stuck (every POLL_S)."""
-        progress = group_progress()
+        sampled, progress = time.time(), group_progress()  # the note's time is when it was taken
         if progress and progress != self.last and self.tracer.write(
-                {"ev": "pg", "t": time.time(), "pg": progress}, wait=False):
+                {"ev": "pg", "t": sampled, "pg": progress}, wait=False):
             self.last = progress
         if ready:
             self.pending += _read_available(self.fifo)
