@@ -308,6 +308,38 @@ def test_a_dict_reduced_with_a_key_only_one_rank_has_names_that_rank_and_the_rep
     leftovers.check()
 
 
+def _reduce_metrics_with_a_rare_key_each_step():
+    import torch
+    from accelerate import Accelerator
+
+    accelerator = Accelerator(cpu=True)
+    model = accelerator.prepare(torch.nn.Linear(4, 8))  # DDP: its gradient all-reduce of 40 floats
+    for step in range(3):
+        accelerator.backward(model(torch.ones(2, 4)).sum())  # line: backward
+        metrics = {"loss": torch.tensor(1.0), "seen": torch.tensor(2.0)}
+        if accelerator.process_index == 1 and step == 1:
+            metrics["rare"] = torch.tensor(1.0)  # a class only rank 1's batch had
+        accelerator.reduce(metrics, reduction="sum")  # line: reduce metrics
+
+
+def test_a_dict_key_of_one_ranks_own_that_gloo_aborts_is_named_from_the_call_written_before_it_ran(
+        leftovers):
+    # uD s2: rank 1's third all_reduce from the reduce (1 float) meets the others' DDP all-reduce of
+    # 40 floats, and gloo aborts rank 1 within milliseconds. A call one more in a row than the line
+    # ever made is on file before it runs: the doctor names the line's extra call, not "killed
+    # after its last collective" with the generic fix (the training loop around it cannot repeat
+    # the reduce without passing the backward first)
+    found = _failed_run(_reduce_metrics_with_a_rare_key_each_step)
+    assert (found.kind, found.ranks) == ("collective-mismatch", [1]), found.summary
+    reduce, backward = f"{HERE}:{_line('reduce metrics')}", f"{HERE}:{_line('backward')}"
+    assert found.summary.startswith(
+        f"Ranks issued all_reduce at {reduce} a different number of times in a row: rank 0 2 times, then "
+        f"all_reduce at {backward} as collective #"), found.summary
+    assert "rank 1 3 times, the last as collective #" in found.summary, found.summary
+    assert found.fix.startswith(wording.REPEATED_CALL_CURE)
+    leftovers.check()
+
+
 def _gather_inside_main_process_first():
     import torch
     from accelerate import Accelerator
@@ -2733,10 +2765,18 @@ def test_a_progress_note_written_after_the_end_of_the_collective_it_saw_running_
     view.apply({"ev": "end", "id": 5, "t": 1.2, "ok": True})
     view.apply({"ev": "pg", "t": 1.3, "pg": {"0": [5, 4]}})
     assert (view.waiting_since(), view.pending_seq(), view.progress) == (None, None, {"0": [5, 5]})
-    view.apply({"ev": "pg", "t": 1.4, "pg": {"0": [6, 5]}})  # the next one, really waited in
+    view.apply({"ev": "op", "id": 6, "op": "barrier", "pg": "0", "seq": 6, "t": 1.4})
+    view.apply({"ev": "pg", "t": 1.45, "pg": {"0": [6, 5]}})  # the next one, really waited in
     assert view.pending_seq() == 6
-    view.apply({"ev": "destroy", "t": 2.0})  # a new group counts from 1 again
-    view.apply({"ev": "pg", "t": 2.1, "pg": {"0": [1, 0]}})
+    view.apply({"ev": "end", "id": 6, "t": 1.5, "ok": True})
+    # CI: the group destroyed after the barrier, and a note taken during the barrier written after
+    # the destroy's record (the rank then failed on its own, and showed as waiting in the barrier)
+    view.apply({"ev": "destroy", "t": 2.0})
+    view.apply({"ev": "pg", "t": 2.1, "pg": {"0": [6, 5]}})
+    assert view.pending_seq() is None
+    view.apply({"ev": "op", "id": 7, "op": "init_process_group", "pg": "0", "seq": 0, "t": 3.0})
+    view.apply({"ev": "end", "id": 7, "t": 3.1, "ok": True})
+    view.apply({"ev": "pg", "t": 3.2, "pg": {"0": [1, 0]}})  # a new group counts from 1 again
     assert view.pending_seq() == 1
 
 

@@ -441,6 +441,23 @@ def test_a_rank_gloo_aborts_on_a_size_mismatch_is_named_with_its_size(script, tm
     leftovers.check()
 
 
+def test_a_dict_key_of_one_ranks_own_is_named_on_another_node_though_gloo_aborted_that_rank(script, tmp_path,
+                                                                                              leftovers):
+    # uD s2: rank 3's third all_reduce from accelerate's reduce meets the others' DDP all-reduce, and
+    # gloo aborts rank 3 before its next heartbeat. A call one more in a row than its line ever made
+    # is posted to the store before it runs: the leader on node 0 has it
+    outcome = _run(script, tmp_path, "rare-key", launcher="accelerate")
+    data = _json(outcome)
+    assert (data["kind"], data["ranks"]) == ("collective-mismatch", [3]), data
+    assert outcome.rank_codes[3] == -signal.SIGABRT, outcome.rank_codes
+    assert data["summary"].startswith(f"Ranks issued all_reduce at {_line('rare reduce')} a different number "
+                                      "of times in a row: ranks 0, 1 and 2 2 times, then all_reduce at "
+                                      f"{_line('rare backward')} as collective #"), data["summary"]
+    assert "; rank 3 once more as collective #" in data["summary"], data["summary"]
+    assert data["fix"].startswith(wording.REPEATED_CALL_CURE)
+    leftovers.check()
+
+
 def test_kill_9_of_one_agent_ends_the_job_on_both_nodes(script, tmp_path, leftovers):
     started = runs.start_job([str(script)], tmp_path, stall_s=30.0, env={"MODE": "hang", "CULPRIT": "3"})
     try:

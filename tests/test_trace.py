@@ -576,6 +576,36 @@ def test_only_a_calls_first_size_from_its_line_is_written_before_it_runs(tmp_pat
     assert [first["id"] for first in firsts] == [1, 3, 7]
 
 
+def _runs_of_one_line() -> list[int]:
+    import json
+
+    import torch
+    import torch.distributed as dist
+
+    from helpers.trace import tracer as tracing
+
+    posted: list[int] = []
+    tracing.current.on_first = lambda text: posted.append(json.loads(text)["seq"])
+    for count in (2, 3, 2, 70):  # a dict reduced one tensor at a time, one key more in the second
+        dist.barrier()  # another collective between the runs: the next run starts anew
+        for _ in range(count):
+            dist.all_reduce(torch.ones(1))
+    return posted
+
+
+def test_a_call_that_makes_its_lines_run_longer_than_ever_is_written_before_it_runs(leftovers):
+    """A line's call one more time in a row than it ever ran (a dict reduced with an extra key) is on
+    file and posted before it runs: gloo aborts the rank when it meets the others' next collective.
+    A loop of the same call at each next number: only its first RUNS_KEPT calls."""
+    from helpers.trace.tracer import RUNS_KEPT
+
+    [posted] = launch(_runs_of_one_line, num_processes=1, timeout_s=60, watchers=[doctor.Doctor(30)])
+    # barrier #1 and all_reduce #2 (first from their lines), #3 (a run of 2), #7 (3), then the long
+    # run's 4th to its RUNS_KEPT-th call (#15 on)
+    assert posted == [1, 2, 3, 7, *range(15, 12 + RUNS_KEPT)], posted
+    leftovers.check()
+
+
 def _recurse(depth: int) -> None:
     if depth == 0:
         raise ValueError("bottom")  # line: recursion bottom

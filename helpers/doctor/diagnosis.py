@@ -778,7 +778,9 @@ def _classify(positions: dict[int, Position], histories: dict[int, dict], views:
     if divergence is None:
         aborted = _aborted_on_different_calls(exited, positions)
         if aborted is not None:
-            return _aborted_kind(*aborted, positions, views)
+            now = _numbered_divergence_now(positions)
+            repeated = now and _repeated_call_kind(now[0], now[2], histories, positions)
+            return repeated or _aborted_kind(*aborted, positions, views)
         divergence = _numbered_divergence_now(positions) or _current_divergence(positions)
     if divergence is not None:
         kind, culprits, summary, *cures = _divergence_kind(divergence, positions, histories, views)
@@ -994,11 +996,9 @@ def _divergence_kind(divergence, positions, histories, views):
         return ("collective-mismatch", inside, wording.goes_first_summary(key, present, inside, header),
                 wording.GOES_FIRST_CURE)
     culprits = _odd_ones_out(groups, present, histories, key, positions)
-    repeated = _repeated_call(present, histories, key, positions)
+    repeated = _repeated_call_kind(key, present, histories, positions)
     if repeated is not None:
-        culprits, counts, call = repeated
-        summary = wording.repeated_call_summary(key, present, counts, call, culprits)
-        return "collective-mismatch", culprits, summary, wording.REPEATED_CALL_CURE
+        return repeated
     if len(ops) == 1 and len({sig[:2] for sig in groups}) == 1:  # the same call but for its root
         summary = wording.root_summary(key, present, culprits)
         return "collective-mismatch", culprits, summary, wording.ROOT_CURE
@@ -1030,6 +1030,18 @@ def _divergence_kind(divergence, positions, histories, views):
     return kind, culprits, summary
 
 
+def _repeated_call_kind(key: tuple[str, int], present: dict[int, Op], histories: dict[int, dict],
+                        positions: dict[int, Position]):
+    """The classification when one line issued its call more times in a row on some ranks
+    (``_repeated_call``), or None."""
+    repeated = _repeated_call(present, histories, key, positions)
+    if repeated is None:
+        return None
+    culprits, counts, call = repeated
+    summary = wording.repeated_call_summary(key, present, counts, call, culprits, positions)
+    return "collective-mismatch", culprits, summary, wording.REPEATED_CALL_CURE
+
+
 def _repeated_call(present: dict[int, Op], histories: dict[int, dict], key: tuple[str, int],
                    positions: dict[int, Position]):
     """Some ranks issue the call they issued last again (the same op, shapes and line, not in a loop
@@ -1040,6 +1052,11 @@ def _repeated_call(present: dict[int, Op], histories: dict[int, dict], key: tupl
     the smaller side, else the ranks that issued more."""
     group, seq = key
     rows = {rank: _calls_in_a_row(histories.get(rank, {}), group, seq, op) for rank, op in present.items()}
+    known = next((row for row in rows.values() if row is not None), None)
+    for rank, row in rows.items():  # a rank whose calls before died with it (gloo aborted it, its
+        if row is None and known is not None and (group, seq - 1) not in histories.get(rank, {}) \
+                and _same_call(present[rank], known[1]):  # first call posted): the others' call again
+            rows[rank] = (None, known[1], True)
     if any(row is None for row in rows.values()):
         return None
     again = sorted(rank for rank, row in rows.items() if row[2])
@@ -1048,7 +1065,9 @@ def _repeated_call(present: dict[int, Op], histories: dict[int, dict], key: tupl
     if call is None or not moved_on or any(not _same_call(rows[rank][1], call)
                                            or present[rank].where == call.where for rank in moved_on):
         return None  # the others did not issue that call just before, or issue it again too
-    if _issues_one_per_call(call) or _in_a_loop(call, positions) or any(
+    went_to = [(present[rank].file, present[rank].line) if present[rank].file else
+               (positions[rank].file, positions[rank].line) for rank in moved_on if rank in positions]
+    if _issues_one_per_call(call) or _in_a_loop(call, positions, went_to) or any(
             rank_conditional(op.file, op.line) for op in present.values()):
         return None  # the user's loop (around the call, or a caller) or branch on the rank: their story
     counts = {rank: row[0] for rank, row in rows.items()}
@@ -1062,10 +1081,23 @@ def _issues_one_per_call(call: Op) -> bool:
     return f"{canonical_op(call.op)}(" in text or f"{call.op}(" in text
 
 
-def _in_a_loop(call: Op, positions: dict[int, Position]) -> bool:
-    """Is the call's line, or a line that led a rank to it, inside a loop of the user's?"""
-    callers = [(file, line) for pos in positions.values() for file, line, _where in pos.callers]
-    return any(enclosing_loop(file, line) is not None for file, line in [(call.file, call.line), *callers])
+def _in_a_loop(call: Op, positions: dict[int, Position],
+               went_to: list[tuple[str | None, int | None]]) -> bool:
+    """Is the call's line, or a line that led a rank to it, inside a loop of the user's that can
+    repeat it? Not a loop whose turn also runs a line the other ranks went on to (``went_to``: a
+    training loop's backward before its metrics' reduce): a rank going round it would be there first.
+    A caller's loop only where the others went to another function: a turn of a loop around the
+    function that holds both lines (a launch in a loop of the notebook) runs both."""
+    frames = [(call.file, call.line)]
+    home = enclosing_function(call.file, call.line)
+    if not any(file == call.file and enclosing_function(file, line) == home for file, line in went_to):
+        frames += [(file, line) for pos in positions.values() for file, line, _where in pos.callers]
+    for file, line in frames:
+        header = enclosing_loop(file, line)
+        if header is not None and not any(other_file == file and in_loop_body(file, header, other_line)
+                                           for other_file, other_line in went_to):
+            return True
+    return False
 
 
 def _calls_in_a_row(history: dict, group: str, seq: int, now: Op) -> tuple[int, Op, bool] | None:

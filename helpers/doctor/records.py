@@ -135,8 +135,7 @@ class RankView:
         elif kind == "hello":
             self.hello = True
         elif kind == "destroy":  # the default group destroyed (destroy_process_group), from this line
-            self.destroyed = event
-            self.completed = {}  # a new group counts from 1 again
+            self.destroyed = event  # (its numbers stay: a note taken before may still come after it)
 
     def _start(self, event: dict[str, Any]) -> None:
         op = Op(op=event["op"], pg=event.get("pg", "0"), seq=event.get("seq"), shapes=event.get("shapes"),
@@ -156,7 +155,7 @@ class RankView:
         self.ops[event["id"]] = op
         self.open[event["id"]] = op
         self.used_p2p = self.used_p2p or op.p2p
-        if op.op == INIT_OP:  # a new group counts from 1 again
+        if op.op == INIT_OP:  # a new default group counts from 1 again
             self.completed = {}
         if self.group_up_t is None:
             self.group_up_t = event["t"]

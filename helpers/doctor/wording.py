@@ -543,19 +543,25 @@ def split_summary(key: tuple[str, int], present: dict[int, Op],
             "j's output split i.")
 
 
-def repeated_call_summary(key: tuple[str, int], present: dict[int, Op], counts: dict[int, int], call: Op,
-                          culprits: list[int]) -> str:
+def repeated_call_summary(key: tuple[str, int], present: dict[int, Op], counts: dict[int, int | None],
+                          call: Op, culprits: list[int], positions: dict[int, Position] | None = None) -> str:
     """Some ranks issued one line's collective more times in a row than the others, which went on to
     another call: 'Ranks issued all_reduce at train.py:8 a different number of times in a row: rank
     0 once, then barrier at train.py:9 as collective #2; rank 1 2 times, the last as collective #2.'"""
-    parts = []
+    said: dict[str, list[int]] = {}  # what the ranks did, and the ranks that did it (one part each)
     for rank, op in sorted(present.items()):
         times = "once" if counts[rank] == 1 else f"{counts[rank]} times"
-        if op.where == call.where:
-            parts.append(f"rank {rank} {times}, the last as collective #{key[1]}")
+        if counts[rank] is None:  # its calls before are lost (a rank gloo aborted: only this one posted)
+            text = (f"once more as collective #{key[1]}, after the others' last (its earlier calls died "
+                    "with it)")
+        elif op.where == call.where:
+            text = f"{times}, the last as collective #{key[1]}"
         else:
-            parts.append(f"rank {rank} {times}, then {_op_name(op)}{' at ' + op.where if op.where else ''} "
-                         f"as collective #{key[1]}")
+            where, extra = _where_now(op, (positions or {}).get(rank), key[1])
+            text = f"{times}, then {_op_name(op)}{' at ' + where if where else ''} as collective #{key[1]}"
+            text += extra
+        said.setdefault(text, []).append(rank)
+    parts = [f"{ranks_text(ranks).lower()} {text}" for text, ranks in said.items()]
     more = "more" if all(present[rank].where == call.where for rank in culprits) else "fewer"
     others = _others_text([rank for rank in present if rank not in culprits])
     return (f"Ranks issued {_op_name(call)}{' at ' + call.where if call.where else ''} a different number of "

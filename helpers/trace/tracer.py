@@ -16,9 +16,10 @@ thread never waits for a whole batch's text). Formatting the records after each 
 three to five times what it costs in a batch: a collective leaves the processor's caches cold, and
 a record touches many Python objects (bench/doctor_bench.py). What is written survives the rank
 being killed, and the file never shows a call as still running once it has returned. The first
-call from a line with a tensor of a new size is written before it runs (gloo aborts a process
-within milliseconds when the ranks' sizes differ), and its record's text is handed to ``on_first``
-when set (the job's doctor posts it to the job's store: the file dies with the rank). A rank
+call from a line with a tensor of a new size, and a call that makes a line's run of calls in a row
+longer than ever (one per key of a dict with an extra key), are written before they run (gloo
+aborts a process within milliseconds when the ranks' sizes differ), and the record's text is handed
+to ``on_first`` when set (the job's doctor posts it to the job's store: the file dies with the rank). A rank
 killed outright (SIGKILL) loses its last ``FLUSH_S`` of calls at most; an exception, an exit and
 every other record write the queue out first.
 """
@@ -602,12 +603,16 @@ _TRACED_SOURCE = """def make(original, plan, caller, now, world, sequence, inner
         signature = None
         try:
             if code is last[1] and offset == last[2] and group is last[0] and nbytes == last[3]:
-                first = False  # the op's last call again (a loop's next): no signature to look up
+                # the op's last call again (a loop's next): no signature to look up; the first time
+                # it runs this many times in a row (one per key of a dict longer on this rank)
+                run = plan.run + 1 if seq == plan.run_seq + 1 else 1
+                plan.run, plan.run_seq = run, seq if seq is not None else -2
+                first = plan.longest < run <= $RUNS_KEPT and plan.longer(run)
             else:
                 signature = (id(group), id(code), offset, nbytes)
                 first = signature not in seen  # the first call from this site with this many bytes
                 if not first:
-                    plan.last = (group, code, offset, nbytes)
+                    plan.arrive(signature, (group, code, offset, nbytes), seq)
         except Exception:  # an unhashable or odd "nbytes" (not a tensor's): a first every time
             first = True
         if first:
@@ -616,7 +621,7 @@ _TRACED_SOURCE = """def make(original, plan, caller, now, world, sequence, inner
                 tracer.on_first(_record_text(item))
             plan.remember(signature)  # once on file: another thread's same call may skip its write
             if signature is not None:
-                plan.last = (group, code, offset, nbytes)
+                plan.arrive(signature, (group, code, offset, nbytes), seq)
         try:
             result = original($call)
         except BaseException as exc:
@@ -648,7 +653,8 @@ def _traced_text(arguments: dict[str, str]) -> str:
     """``_TRACED_SOURCE`` for an op: its ``arguments`` (``_Plan.argument_texts``), and the
     constants the queue's items are read by, as literals."""
     return string.Template(_TRACED_SOURCE).substitute(
-        arguments, OP=_OP, END=_END, ENDED=_ENDED, SEQ_END=_SEQ_END, ON_FILE=_ON_FILE, QUEUE_MAX=QUEUE_MAX)
+        arguments, OP=_OP, END=_END, ENDED=_ENDED, SEQ_END=_SEQ_END, ON_FILE=_ON_FILE, QUEUE_MAX=QUEUE_MAX,
+        RUNS_KEPT=RUNS_KEPT)
 
 
 def _sequence_reader() -> Callable[[Any], int]:
@@ -710,6 +716,10 @@ class _Plan:
         self.computed_field = "batch" if name == BATCH_OP else "splits"
         self.seen: set[tuple] = set()  # (group, code, offset, nbytes) of the calls made
         self.last: tuple = (None, None, None, None)  # the last call's (group, code, offset, nbytes)
+        # the last call's run: how many times in a row (at consecutive sequence numbers) its site
+        # issued it, the last number, the longest run that site made before, and the site
+        self.run, self.run_seq, self.longest, self.site = 1, -2, 1, None
+        self.runs: dict[tuple, int] = {}  # each site's longest run (at most RUNS_KEPT)
         copied = _passes_arguments_through(fn, signature)
         self.params, self.defaults = _copied_signature(signature, self) if copied else (None, None)
 
@@ -738,6 +748,21 @@ class _Plan:
     def _places(self) -> list[tuple[str, tuple[int, str]]]:
         return [("group", self.group), ("async_op", self.async_op), ("compared", self.compared),
                 ("peer", self.peer_at)]
+
+    def arrive(self, signature: tuple, last: tuple, seq: int | None) -> None:
+        """A call from another site than the last one's: its run starts."""
+        self.last, self.site = last, signature
+        self.run, self.run_seq, self.longest = 1, seq if seq is not None else -2, self.runs.get(signature, 1)
+
+    def longer(self, run: int) -> bool:
+        """Note that the last call's site issued it ``run`` times in a row, more than ever before:
+        one call more in a row than the other ranks make (a dict with an extra key on this rank,
+        reduced one tensor at a time) meets another collective, and gloo aborts the process."""
+        self.longest = run
+        if len(self.runs) >= _SEEN_KEPT:
+            self.runs.clear()
+        self.runs[self.site] = run
+        return True
 
     def remember(self, signature: tuple | None) -> None:
         """Note a call's signature (the group, the code and the call's offset in it, the compared
@@ -870,6 +895,7 @@ def _sequence(group: Any) -> int | None:
 
 
 _SEEN_KEPT = 4096  # call signatures kept per op (``_Plan.remember``)
+RUNS_KEPT = 64  # a site's runs of calls in a row written before they run, up to this length
 
 
 def _objects_json(value: Any) -> str:
