@@ -462,7 +462,7 @@ def _record_text_cpu(sizes: dict[str, int], rounds: int, calls: int) -> dict[str
 
     from helpers import trace
     from helpers.trace.helper import Helper
-    from helpers.trace.tracer import _OP, _record_text
+    from helpers.trace.tracer import _OP, RUNS_KEPT, _record_text
 
     _pin_rank(dist.get_rank())
     tracer = trace.install(os.environ["TMPDIR"], dist.get_rank())
@@ -471,8 +471,8 @@ def _record_text_cpu(sizes: dict[str, int], rounds: int, calls: int) -> dict[str
     for name, count in sizes.items():
         tensor = torch.ones(count)
         tracer.patch()
-        for _ in range(2):  # the first call from a line is written at once, the second is queued
-            dist.all_reduce(tensor)
+        for _ in range(RUNS_KEPT + 1):  # a line's first call, and its runs' first RUNS_KEPT lengths,
+            dist.all_reduce(tensor)  # are written at once; the next is queued
         item = next(i for i in tracer.queue if type(i) is list and i[0] == _OP)  # as the tracer made it
         tracer.flush()
         after, batched = [], []

@@ -583,6 +583,7 @@ def _runs_of_one_line() -> list[int]:
     import torch.distributed as dist
 
     from helpers.trace import tracer as tracing
+    from helpers.trace.tracer import RUN_BYTES
 
     posted: list[int] = []
     tracing.current.on_first = lambda text: posted.append(json.loads(text)["seq"])
@@ -590,19 +591,26 @@ def _runs_of_one_line() -> list[int]:
         dist.barrier()  # another collective between the runs: the next run starts anew
         for _ in range(count):
             dist.all_reduce(torch.ones(1))
+    large = torch.ones(RUN_BYTES // 4 + 1)  # a large tensor's runs are not followed (their cost)
+    for count in (1, 3):
+        dist.barrier()
+        for _ in range(count):
+            dist.all_reduce(large)
     return posted
 
 
 def test_a_call_that_makes_its_lines_run_longer_than_ever_is_written_before_it_runs(leftovers):
     """A line's call one more time in a row than it ever ran (a dict reduced with an extra key) is on
     file and posted before it runs: gloo aborts the rank when it meets the others' next collective.
-    A loop of the same call at each next number: only its first RUNS_KEPT calls."""
+    A loop of the same call at each next number: only its first RUNS_KEPT calls; a large tensor's
+    runs are not followed."""
     from helpers.trace.tracer import RUNS_KEPT
 
     [posted] = launch(_runs_of_one_line, num_processes=1, timeout_s=60, watchers=[doctor.Doctor(30)])
     # barrier #1 and all_reduce #2 (first from their lines), #3 (a run of 2), #7 (3), then the long
-    # run's 4th to its RUNS_KEPT-th call (#15 on)
-    assert posted == [1, 2, 3, 7, *range(15, 12 + RUNS_KEPT)], posted
+    # run's 4th to its RUNS_KEPT-th call (#15 on); the second barrier line's first (#82) and the
+    # large tensor's first call (#83) alone
+    assert posted == [1, 2, 3, 7, *range(15, 12 + RUNS_KEPT), 82, 83], posted
     leftovers.check()
 
 
