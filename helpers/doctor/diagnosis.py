@@ -213,7 +213,9 @@ def _close_passed(views: dict[int, RankView]) -> None:
     """Close each rank's open call that the group has since passed: another rank completed a later
     collective of the group that no rank leaves before all have joined (``ALL_JOIN``), so this rank
     issued it too and its record of the earlier call is stale (a rank SIGKILLed between its
-    watchdog's beats, its ends still queued). Not on a rank that used p2p ops (two numberings)."""
+    watchdog's beats, its ends still queued). A call known from the start its rank posted alone
+    (``posted``) closes once another rank completed that one: the rank got through it, and may have
+    gone on. Not on a rank that used p2p ops (two numberings)."""
     passed: dict[tuple[int, str], tuple[int, float]] = {}  # (rank, group) -> its highest such seq, end
     for rank, view in views.items():
         for op in view.python_ops():
@@ -224,8 +226,10 @@ def _close_passed(views: dict[int, RankView]) -> None:
         if view.used_p2p:
             continue
         for op_id, op in list(view.open.items()):
+            through = op_id == view.posted and canonical_op(op.op) in ALL_JOIN
+            reached = op.seq if through else (op.seq or 0) + 1  # what another rank must have completed
             later = [done for (other, group), done in passed.items()
-                     if other != rank and group == op.pg and op.seq is not None and done[0] > op.seq]
+                     if other != rank and group == op.pg and op.seq is not None and done[0] >= reached]
             if later:
                 view.close_passed(op_id, min(end for _seq, end in later))
 

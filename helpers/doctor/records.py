@@ -116,6 +116,7 @@ class RankView:
     used_p2p: bool = False  # a p2p op was recorded: the groups' progress numbers differ from "seq"
     destroyed: dict[str, Any] | None = None  # its destroy_process_group's record (where it was called)
     completed: dict[str, int] = field(default_factory=dict)  # per group, the highest number seen to end
+    posted: int | None = None  # the id of a call known from its start alone, posted before it ran (job)
 
     def apply(self, event: dict[str, Any]) -> None:
         """Fold one trace record into the view."""
