@@ -19,9 +19,9 @@ being killed, and the file never shows a call as still running once it has retur
 call from a line with a tensor of a new size, and a call that makes a line's run of calls in a row
 longer than ever (one per key of a dict with an extra key), are written before they run (gloo
 aborts a process within milliseconds when the ranks' sizes differ), and the record's text is handed
-to ``on_first`` when set (the job's doctor posts it to the job's store: the file dies with the rank). A rank
-killed outright (SIGKILL) loses its last ``FLUSH_S`` of calls at most; an exception, an exit and
-every other record write the queue out first.
+to ``on_first`` when set (the job's doctor posts it to the job's store: the file dies with the
+rank). A rank killed outright (SIGKILL) loses its last ``FLUSH_S`` of calls at most; an exception,
+an exit and every other record write the queue out first.
 """
 
 from __future__ import annotations
@@ -692,7 +692,6 @@ _ABSENT = (1 << 30, "\0")  # where a parameter an op lacks would be: read as Non
 
 class _Plan:
     """Where one op keeps its arguments, so a call is described without ``inspect`` per call."""
-
 
     def __init__(self, name: str, fn: Callable):
         compared, peer = OPS[name]
