@@ -136,7 +136,8 @@ def _assignment(match: re.Match[str]) -> str:
     name, quote, value = match["name"], match["quote"], match["value"]
     tail = re.split(r"[.\-]", name)[-1]  # ``x.HF_TOKEN`` -> ``HF_TOKEN``
     code_like = not quote and not tail.isupper()  # ``sorted(x, key=len)`` is code, not a secret
-    if code_like or _is_trivial(value) or not is_credential_name(name):
+    raised = tail.endswith(("Error", "Exception"))  # ``KeyError: 'labels'``: the missing key, the clue
+    if code_like or raised or _is_trivial(value) or not is_credential_name(name):
         return match.group(0)
     return f"{name}{match['close']}{match['sep']}{quote}{REDACTED}"
 

@@ -83,6 +83,8 @@ def test_shapes_are_redacted(text):
     "python train.py --max-tokens 512 --tokenizer gpt2 --tokens_per_batch 4096",
     "python train.py --author Jane --sessions 3 --session-name run1 --key-column text --eos_token_id 2",
     "python train.py --use_auth_token True --sort_key loss --primary_key id --max_session_len 100",
+    "Rank 3 raised KeyError: 'labels' at train.py:31",  # the doctor's summary: the key is the clue
+    "TokenizerException: 'unknown_token'",
 ])
 def test_look_alikes_are_left_alone(text):
     assert redact.redact_text(text) == text
