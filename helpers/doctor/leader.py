@@ -115,11 +115,12 @@ def diagnose_answers(world: int, reason: str, since_s: float, answers: dict[int,
         if rank in answers:
             views[rank] = view_from(rank, answers[rank], answers[rank])
         elif seen is not None:
-            beat = _with_first_call(seen.beat, (first_calls or {}).get(rank))
+            call = (first_calls or {}).get(rank)
+            beat = _with_first_call(seen.beat, call)
             view = view_from(rank, beat, {"stack": [seen.beat["site"]] if seen.beat.get("site") else [],
                                           "progress": seen.beat.get("progress") or {}, "fr": []})
-            if beat is not seen.beat:  # its latest first call, from its start alone
-                view.posted = beat["recs"][-1]["id"]
+            if beat is not seen.beat:  # it took its latest first call, known from its start alone
+                view.posted = call["id"]
             dead = rank in vanished or (is_gone(seen, machine) and not seen.beat.get("exit"))
             if dead and not seen.beat.get("exit"):
                 view.exit, view.ended, view.exit_code = {"ev": "exit", "status": "vanished"}, True, None
