@@ -285,6 +285,36 @@ def test_a_posted_call_the_other_ranks_completed_does_not_hold_its_rank_in_it():
     assert (found.per_rank[3].state, found.per_rank[3].op) == ("outside-collective", None), found.per_rank[3]
 
 
+GLOO_PEER_GONE = ("RuntimeError: [/__w/pytorch/pytorch/third_party/gloo/gloo/transport/tcp/pair.cc:537] Read "
+                  "error [127.0.0.1]:27044: Connection reset by peer. This is typically caused by a remote "
+                  "worker hanging or bugs in the application.")
+
+
+def test_a_posted_call_gloo_aborted_its_rank_in_stays_its_place_though_torch_counts_it_completed():
+    # CI under load (the size-mismatch job): rank 2 posted its 5th all_reduce of 1 float and gloo
+    # aborted it there; its last beat was from init. Rank 0's all_reduce of 8 failed; rank 1's end was
+    # not on file, only torch's progress [5, 5], which counts a failed collective as completed; then
+    # torchrun's SIGTERM stopped both. The table showed no call for any rank
+    def stopped(progress_only: bool) -> dict:
+        last = [_op_record(5, 5, done=False)]
+        if not progress_only:
+            last.append({"ev": "end", "id": 5, "t": 16.0, "ok": False, "error": GLOO_PEER_GONE})
+        records = [_op_record(i, i) for i in range(1, 5)] + [{**last[0], "shapes": [[8]]}] + last[1:]
+        exit_record = {"ev": "exit", "t": 16.1, "status": "stopped", "code": -15,
+                       "by": "SIGTERM from its launcher", "orphaned": False, "gone": [2]}
+        return {"recs": records, "stack": [], "progress": {"0": [5, 5]}, "fr": [], "exit": exit_record}
+
+    answers = {0: stopped(progress_only=False), 1: stopped(progress_only=True)}
+    beats = {rank: Seen({"n": 5, "machine": "here", "pid": os.getpid(), **answers[rank]}) for rank in (0, 1)}
+    init = {**_op_record(0, 0, "init_process_group", 3, done=False), "te": 10.2, "ok": True}
+    beats[2] = Seen({"n": 1, "machine": "there", "pid": 1, "progress": {}, "recs": [init]})
+    posted = {2: {**_op_record(5, 5, done=False), "shapes": [[1]]}}
+    found = leader.diagnose_answers(3, "failure", 1.0, answers, beats, "here", {}, posted)
+    assert (found.kind, found.ranks) == ("shape-mismatch", [2]), found.summary
+    assert [(report.op, report.seq, report.shapes) for report in found.per_rank] == [
+        ("all_reduce", 5, [[8]]), ("all_reduce", 5, [[8]]), ("all_reduce", 5, [[1]])], found.per_rank
+
+
 def test_ranks_that_run_the_same_software_get_no_note():
     import torch  # noqa: F401 - loaded in every rank before its watchdog posts what it runs
 

@@ -214,24 +214,41 @@ def _close_passed(views: dict[int, RankView]) -> None:
     collective of the group that no rank leaves before all have joined (``ALL_JOIN``), so this rank
     issued it too and its record of the earlier call is stale (a rank SIGKILLed between its
     watchdog's beats, its ends still queued). A call known from the start its rank posted alone
-    (``posted``) closes once another rank completed that one: the rank got through it, and may have
-    gone on. Not on a rank that used p2p ops (two numberings)."""
+    (``posted``) closes once another rank's record shows that one ended well and none shows it
+    failed: the rank got through it, and may have gone on. A progress note proves less: torch counts
+    a collective that failed as completed (gloo aborted the posting rank inside it, and the others'
+    calls failed or were stopped). Not on a rank that used p2p ops (two numberings)."""
     passed: dict[tuple[int, str], tuple[int, float]] = {}  # (rank, group) -> its highest such seq, end
+    recorded: dict[tuple[int, str], tuple[int, float]] = {}  # the same, by ends on file alone
+    failed: set[tuple[str, int]] = set()  # (group, seq) some rank's record shows ended in an error
     for rank, view in views.items():
         for op in view.python_ops():
-            if (op.ok and op.seq is not None and op.end is not None and not op.p2p
-                    and canonical_op(op.op) in ALL_JOIN and op.seq > passed.get((rank, op.pg), (0, 0.0))[0]):
-                passed[(rank, op.pg)] = (op.seq, op.end)
+            if op.seq is None or op.end is None or op.p2p or canonical_op(op.op) not in ALL_JOIN:
+                continue
+            if op.ok is False:
+                failed.add((op.pg, op.seq))
+            elif op.ok:
+                _note_highest(passed, (rank, op.pg), op)
+                if not op.inferred:
+                    _note_highest(recorded, (rank, op.pg), op)
     for rank, view in views.items():
         if view.used_p2p:
             continue
         for op_id, op in list(view.open.items()):
             through = op_id == view.posted and canonical_op(op.op) in ALL_JOIN
+            if through and (op.pg, op.seq) in failed:
+                continue
             reached = op.seq if through else (op.seq or 0) + 1  # what another rank must have completed
-            later = [done for (other, group), done in passed.items()
+            later = [done for (other, group), done in (recorded if through else passed).items()
                      if other != rank and group == op.pg and op.seq is not None and done[0] >= reached]
             if later:
                 view.close_passed(op_id, min(end for _seq, end in later))
+
+
+def _note_highest(highest: dict[tuple[int, str], tuple[int, float]], key: tuple[int, str], op: Op) -> None:
+    """Keep in ``highest`` the (seq, end) of the highest-numbered of the ops noted under ``key``."""
+    if op.seq > highest.get(key, (0, 0.0))[0]:
+        highest[key] = (op.seq, op.end)
 
 
 def _verdict(kind: str, reason: str, positions: dict[int, Position]) -> str:
@@ -378,6 +395,10 @@ def _position_of(view: RankView) -> Position:
     if exit_record.get("status") == "stopped":  # its launcher stopped it: an echo, not a cause,
         pos.victim = not exit_record.get("orphaned")  # unless its launcher died (a lost node)
         pos.detail = f"stopped: {exit_record.get('by') or describe_exit(view.exit_code)}"
+        stopped_in = (failed or _unreturned(view)) if pos.op is None else None
+        if stopped_in is not None:  # the call its Python was last in: shown with its shapes
+            pos.op, pos.seq = stopped_in, stopped_in.seq
+            pos.where, pos.file, pos.line = stopped_in.where, stopped_in.file, stopped_in.line
         if pos.where is None:
             last = next((op for op in reversed(view.python_ops()) if op.where), None)
             pos.where, pos.file, pos.line = (last.where, last.file, last.line) if last else (None,) * 3
@@ -656,6 +677,13 @@ def _exit_site(view: RankView) -> dict[str, Any]:
     """Where the rank's exception left the user's code, as its exit record says."""
     exit_record = view.exit or {}
     return {key: exit_record.get(key) for key in ("where", "file", "line")}
+
+
+def _unreturned(view: RankView) -> Op | None:
+    """The rank's last Python-level collective when its return is not on file, only known to have
+    ended from the group's progress (which counts a failed collective as completed too)."""
+    ops = _collectives(view)
+    return ops[-1] if ops and ops[-1].inferred else None
 
 
 def _failed_op(view: RankView) -> Op | None:

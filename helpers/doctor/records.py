@@ -53,6 +53,7 @@ class Op:
     world: int | None = None  # init_process_group's: the world size it waits for (argument or WORLD_SIZE)
     thread: str | None = None  # the id of the thread that called it, when not the main thread
     batch: list | None = None  # batch_isend_irecv's [["send" or "recv", peer], ...]
+    inferred: bool = False  # closed with no end on file (``RankView.close_passed``): ended, well or not
 
     def signature(self) -> tuple:
         """What must agree across ranks at one sequence number: the op, then shapes and dtypes."""
@@ -218,7 +219,7 @@ class RankView:
         """Close an open call known to have completed (by ``t`` at the latest) though its end is
         not on file."""
         op = self.open.pop(op_id)
-        op.end, op.ok = t, True
+        op.end, op.ok, op.inferred = t, True, True
 
     def waiting_since(self) -> float | None:
         """When this rank started waiting in the collective it is still in (None: not waiting)."""
