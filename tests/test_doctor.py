@@ -22,7 +22,7 @@ from conftest import marker_line
 
 from helpers import collectives, doctor, procs, repro, rundir, scenarios
 from helpers.doctor import diagnosis as diagnosis_module
-from helpers.doctor import source, wording
+from helpers.doctor import runs, source, wording
 from helpers.launch import LaunchTimeout, RankError, RankExited, launch
 
 HERE = Path(__file__).name
@@ -3138,6 +3138,40 @@ def test_a_torchrun_run_past_its_deadline_leaves_no_worker(tmp_path, monkeypatch
     dumped = stack.read_text() if stack.exists() else "(no stack file)"
     assert diagnosis.per_rank[1].location == f"{script.name}:{sleep_line}", f"{diagnosis.text()}\n{dumped}"
     leftovers.check()
+
+
+def test_traced_ranks_end_when_torchrun_is_sigkilled(tmp_path, leftovers):
+    # the kernel that ran torchrun died, and PR_SET_PDEATHSIG SIGKILLed torchrun: it could not stop
+    # its workers, in sessions of their own; rank 1 would have run on forever. They get SIGTERM, as
+    # from torchrun (their stacks are dumped, not always whole: see helpers.launch.rank)
+    script = tmp_path / "hang_forever.py"
+    script.write_text(_HANG_FOREVER)
+    env = procs.python_env({rundir.ENV_DIR: str(tmp_path / "trace"), "READY_DIR": str(tmp_path),
+                            "TMPDIR": str(tmp_path)})  # torchrun's folder, which its SIGKILL leaves
+    env.pop(rundir.ENV_PARENT, None)
+    agent = subprocess.Popen(runs.torchrun_argv([str(script)], 2), env=env, stdout=subprocess.DEVNULL,
+                             stderr=subprocess.DEVNULL, start_new_session=True)
+    ranks: list[psutil.Process] = []
+    try:
+        ranks = _wait_for_ranks(agent, tmp_path, str(script))
+        agent.kill()
+        agent.wait()
+        _gone, alive = psutil.wait_procs(ranks, timeout=30)
+        assert not alive, f"ranks left running after their agent died: {[p.pid for p in alive]}"
+    finally:
+        procs.stop_tree(agent)
+        procs.stop_processes(ranks)  # what the fix under test failed to end
+    leftovers.check()
+
+
+def _wait_for_ranks(agent: subprocess.Popen, ready_dir: Path, script: str) -> list[psutil.Process]:
+    """The two ranks running ``script`` once both wrote their ready file (their group is up)."""
+    started = time.monotonic()
+    while {p.name for p in ready_dir.glob("ready-*")} != {"ready-0", "ready-1"}:
+        assert agent.poll() is None, "torchrun ended before its ranks were up"
+        assert time.monotonic() - started < 60, "the ranks never came up"
+        time.sleep(0.1)
+    return [p for p in psutil.process_iter(["cmdline"]) if script in " ".join(p.info["cmdline"] or [])]
 
 
 

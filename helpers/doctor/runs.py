@@ -93,15 +93,19 @@ def run_torchrun(command: list[str], trace_dir: str | Path, num_processes: int =
     with tempfile.TemporaryDirectory(prefix="helpers-torchrun-") as scratch:
         env = procs.python_env({rundir.ENV_DIR: str(trace_dir), "TMPDIR": scratch})
         env.pop(rundir.ENV_PARENT, None)
-        argv = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(num_processes),
-                "--max-restarts", "0", "--master-port", str(procs.free_port()),
-                "-m", "helpers.trace", *command]
+        argv = torchrun_argv(command, num_processes)
         # torchrun starts its workers in sessions of their own: past the deadline the whole tree
         # is stopped (procs.run_process), not torchrun alone; torchrun first, which stops its
         # workers with one SIGTERM each (their stacks written whole)
         code, output, _seconds = procs.run_process(argv, timeout_s, env, forwards=True)
     exit_codes = torchrun_exit_codes(output)
     return code, diagnose_dir(trace_dir, num_processes, exit_codes, stopped=code is None), output
+
+
+def torchrun_argv(command: list[str], num_processes: int) -> list[str]:
+    """Plain torchrun on this machine running ``command`` (a script and its arguments) traced."""
+    return [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(num_processes),
+            "--max-restarts", "0", "--master-port", str(procs.free_port()), "-m", "helpers.trace", *command]
 
 
 _TORCHRUN_FAILURE = re.compile(r"rank\s*:\s*(\d+) \(local_rank: \d+\)\s*\n\s*exitcode\s*:\s*(-?\d+)")

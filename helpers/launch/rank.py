@@ -216,6 +216,10 @@ def run_command_rank(argv: list[str], traced: bool) -> NoReturn:
         # scancel, which signals every process) ends the dump early: chained, faulthandler's
         # handler takes a nested signal at once (procs.stop_tree stops torchrun first for this)
         faulthandler.register(signal.SIGTERM, file=stack_handle, all_threads=True, chain=True)
+        # and stopped the same way when its agent dies without stopping it (SIGKILLed with the
+        # notebook kernel that ran it, or by the OOM killer): its workers, in sessions of their
+        # own, would otherwise run on, orphaned, holding the port and whatever they wait in
+        procs.set_parent_death_signal(os.getppid(), signal.SIGTERM)
     if traced:
         trace.install(run_dir, rank)
     code = _run_as_main(argv, run_dir, rank)
