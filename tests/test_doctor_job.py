@@ -295,16 +295,21 @@ def test_a_posted_call_gloo_aborted_its_rank_in_stays_its_place_though_torch_cou
     # aborted it there; its last beat was from init. Rank 0's all_reduce of 8 failed; rank 1's end was
     # not on file, only torch's progress [5, 5], which counts a failed collective as completed; then
     # torchrun's SIGTERM stopped both. The table showed no call for any rank
-    def stopped(progress_only: bool) -> dict:
+    def stopped(progress_only: bool, stack: list[dict]) -> dict:
         last = [_op_record(5, 5, done=False)]
         if not progress_only:
             last.append({"ev": "end", "id": 5, "t": 16.0, "ok": False, "error": GLOO_PEER_GONE})
         records = [_op_record(i, i) for i in range(1, 5)] + [{**last[0], "shapes": [[8]]}] + last[1:]
         exit_record = {"ev": "exit", "t": 16.1, "status": "stopped", "code": -15,
                        "by": "SIGTERM from its launcher", "orphaned": False, "gone": [2]}
-        return {"recs": records, "stack": [], "progress": {"0": [5, 5]}, "fr": [], "exit": exit_record}
+        return {"recs": records, "stack": stack, "progress": {"0": [5, 5]}, "fr": [], "exit": exit_record}
 
-    answers = {0: stopped(progress_only=False), 1: stopped(progress_only=True)}
+    def frame(file: str, line: int, user: bool) -> dict:
+        return {"file": file, "line": line, "func": "f", "user": user, "where": f"{Path(file).name}:{line}"}
+
+    in_call = [frame("/job/train.py", 5, True), frame("/venv/torch/distributed/c10d_logger.py", 53, False)]
+
+    answers = {0: stopped(progress_only=False, stack=[]), 1: stopped(progress_only=True, stack=in_call)}
     beats = {rank: Seen({"n": 5, "machine": "here", "pid": os.getpid(), **answers[rank]}) for rank in (0, 1)}
     init = {**_op_record(0, 0, "init_process_group", 3, done=False), "te": 10.2, "ok": True}
     beats[2] = Seen({"n": 1, "machine": "there", "pid": 1, "progress": {}, "recs": [init]})
@@ -313,6 +318,10 @@ def test_a_posted_call_gloo_aborted_its_rank_in_stays_its_place_though_torch_cou
     assert (found.kind, found.ranks) == ("shape-mismatch", [2]), found.summary
     assert [(report.op, report.seq, report.shapes) for report in found.per_rank] == [
         ("all_reduce", 5, [[8]]), ("all_reduce", 5, [[8]]), ("all_reduce", 5, [[1]])], found.per_rank
+    # stopped in its own code after the call returned (its end's record not written): placed there
+    answers[1] = stopped(progress_only=True, stack=[frame("/job/train.py", 9, True)])
+    found = leader.diagnose_answers(3, "failure", 1.0, answers, beats, "here", {}, posted)
+    assert (found.per_rank[1].op, found.per_rank[1].location) == (None, "train.py:9"), found.per_rank[1]
 
 
 def test_ranks_that_run_the_same_software_get_no_note():

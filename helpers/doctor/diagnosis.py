@@ -395,8 +395,8 @@ def _position_of(view: RankView) -> Position:
     if exit_record.get("status") == "stopped":  # its launcher stopped it: an echo, not a cause,
         pos.victim = not exit_record.get("orphaned")  # unless its launcher died (a lost node)
         pos.detail = f"stopped: {exit_record.get('by') or describe_exit(view.exit_code)}"
-        stopped_in = (failed or _unreturned(view)) if pos.op is None else None
-        if stopped_in is not None:  # the call its Python was last in: shown with its shapes
+        stopped_in = _stopped_in(view, failed, pos) if pos.op is None else None
+        if stopped_in is not None:  # shown with its shapes
             pos.op, pos.seq = stopped_in, stopped_in.seq
             pos.where, pos.file, pos.line = stopped_in.where, stopped_in.file, stopped_in.line
         if pos.where is None:
@@ -679,11 +679,24 @@ def _exit_site(view: RankView) -> dict[str, Any]:
     return {key: exit_record.get(key) for key in ("where", "file", "line")}
 
 
-def _unreturned(view: RankView) -> Op | None:
-    """The rank's last Python-level collective when its return is not on file, only known to have
-    ended from the group's progress (which counts a failed collective as completed too)."""
+def _stopped_in(view: RankView, failed: Op | None, pos: Position) -> Op | None:
+    """The call a rank its launcher stopped was last in: one that raised, else its last collective
+    when that one's return is not on file (only the group's progress, which counts a failed
+    collective as completed too, closed it) and its stack is still inside torch.distributed, or
+    unknown."""
+    if failed is not None:
+        return failed
     ops = _collectives(view)
-    return ops[-1] if ops and ops[-1].inferred else None
+    if not ops or not ops[-1].inferred:
+        return None
+    inside = pos.where is None or in_torch_distributed((view.state or {}).get("stack") or [])
+    return ops[-1] if inside else None
+
+
+def in_torch_distributed(frames: list[dict[str, Any]]) -> bool:
+    """Is a stack (frames as the tracer or py-spy give them) inside torch.distributed's Python,
+    where a blocking call waits?"""
+    return any("/torch/distributed/" in (frame.get("file") or "").replace("\\", "/") for frame in frames)
 
 
 def _failed_op(view: RankView) -> Op | None:
