@@ -516,7 +516,8 @@ def test_a_dict_key_of_one_ranks_own_is_named_on_another_node_though_gloo_aborte
     assert said.startswith(f"Ranks issued all_reduce at {_line('rare reduce')} a different number of "
                            "times in a row: ranks 0"), said
     assert f" 2 times, then all_reduce at {_line('rare backward')} as collective #" in said, said
-    assert "; rank 3 once more as collective #" in said, said
+    # its earlier calls of the run known from a heartbeat, or only the one it posted
+    assert re.search(r"; rank 3 (once more|3 times, the last) as collective #", said), said
     assert data["fix"].startswith(wording.REPEATED_CALL_CURE)
     leftovers.check()
 
