@@ -2780,6 +2780,27 @@ def test_a_progress_note_written_after_the_end_of_the_collective_it_saw_running_
     assert view.pending_seq() == 1
 
 
+def test_ranks_in_init_process_group_get_stall_s_after_the_last_arrival_and_torchs_connect_backoff():
+    # make test under two pytest workers: rank 0, which hosts the store, imported torch 15 s after
+    # rank 1, whose TCPStore client by then retried every few seconds (torch's backoff: 0.5 s growing
+    # 1.5 times a try): both sat in init_process_group 4.3 s, past a stall_s of 4, and a healthy run
+    # was named a hang
+    watcher = doctor.Doctor(stall_s=4.0)
+    for rank, arrived in ((0, 115.0), (1, 100.0)):
+        watcher.views[rank] = view = doctor.RankView(rank)
+        view.apply({"ev": "op", "id": 1, "op": "init_process_group", "pg": "0", "seq": 0, "t": arrived})
+    backoff = 0.75 * (15.0 + 1.0)
+    assert watcher._stall_start(115.0 + 4.0 + 0.1) is None
+    assert watcher._stall_start(115.0 + 4.0 + backoff - 0.1) is None
+    assert watcher._stall_start(115.0 + 4.0 + backoff + 0.1) == 100.0  # then it is one
+    # a rank that never reaches init_process_group is named stall_s after the others arrived
+    del watcher.views[0]
+    assert watcher._stall_start(100.0 + 4.0 + 0.75 + 0.1) == 100.0
+    watcher.views[1].apply({"ev": "end", "id": 1, "t": 101.0, "ok": True})  # past it: no grace
+    watcher.views[1].apply({"ev": "op", "id": 2, "op": "barrier", "pg": "0", "seq": 1, "t": 102.0})
+    assert watcher._stall_start(102.0 + 4.0 + 0.1) == 102.0
+
+
 def test_a_progress_note_taken_during_a_collective_is_superseded_by_its_end():
     # CI: the helper noted [6 enqueued, 5 done] inside the last barrier; the script then destroyed
     # the group (no later note) and polled a file: it showed as waiting in #6 and was called a hang

@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from helpers import params, report, rundir, trace
+from helpers.collectives import INIT_OP
 from helpers.doctor.diagnosis import Diagnosis, diagnose
 from helpers.doctor.records import RankView, read_new_records, read_text
 from helpers.doctor.source import faulthandler_stack
@@ -27,6 +28,7 @@ from helpers.launch import LaunchError, LaunchTimeout, RankError, RankExited, Ru
 DEFAULT_STALL_S = 30.0
 EVIDENCE_WAIT_S = 2.0
 PY_SPY_S = 2.0  # reading a rank whose helper thread did not answer
+CONNECT_BACKOFF_MAX_S = 90.0  # torch's TCPStore client: 60 s between tries at most, +50 % jitter
 
 
 # ---------------------------------------------------------------------------------------------
@@ -191,16 +193,34 @@ class Doctor(Watcher):
     # -- deciding ---------------------------------------------------------------------------
 
     def _stall_start(self, now: float) -> float | None:
-        """When the current stall began, if some rank has waited ``stall_s`` with no progress."""
+        """When the current stall began, if some rank has waited ``stall_s`` with no progress (in
+        init_process_group, ``stall_s`` after the last rank arrived there and its peers' backoff)."""
         last_done = max((v.last_done_t or 0.0 for v in self.views.values()), default=0.0)
         starts = []
         for view in self.views.values():
             since = None if view.ended else view.waiting_since()
             if since is not None:
                 start = max(since, last_done)
-                if now - start >= self.stall_s:
+                if now - start >= self.stall_s and now >= self._connected_by(view):
                     starts.append(start)
         return min(starts) if starts else None
+
+    def _connected_by(self, view: RankView) -> float:
+        """When a rank waiting in init_process_group should have met the others that arrived:
+        launched here, rank 0 hosts the group's store, and a rank that came before it retries its
+        connection with torch's backoff (``ExponentialBackoffWithJitter``: 0.5 s growing 1.5 times
+        a try, +-50 %, at most 60 s; torch/csrc/distributed/c10d/Backoff.hpp). Its next try can
+        be about 0.75 times what it waited after the last rank arrived: with rank 0 15 s late, here,
+        both ranks sat in init_process_group 4.3 s, and a stall_s of 4 s named a hang. 0 for a rank
+        elsewhere."""
+        if not any(op.op == INIT_OP for op in view.open.values()):
+            return 0.0
+        arrivals = [op.start for other in self.views.values() for op in other.python_ops()
+                    if op.op == INIT_OP and op.start is not None]
+        if not arrivals:
+            return 0.0
+        waited = max(arrivals) - min(arrivals)
+        return max(arrivals) + self.stall_s + min(CONNECT_BACKOFF_MAX_S, 0.75 * (waited + 1.0))
 
     def _finished_but_needed(self, run: Run) -> bool:
         finished = [v for v in self.views.values() if v.ended and v.exit_code == 0 and
