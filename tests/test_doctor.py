@@ -2784,7 +2784,7 @@ def test_ranks_in_init_process_group_get_stall_s_after_the_last_arrival_and_torc
     # make test under two pytest workers: rank 0, which hosts the store, imported torch 15 s after
     # rank 1, whose TCPStore client by then retried every few seconds (torch's backoff: 0.5 s growing
     # 1.5 times a try): both sat in init_process_group 4.3 s, past a stall_s of 4, and a healthy run
-    # was named a hang
+    # was named a hang. Now: stall_s after the last arrival, plus 0.75 times the spread and a second
     watcher = doctor.Doctor(stall_s=4.0)
     for rank, arrived in ((0, 115.0), (1, 100.0)):
         watcher.views[rank] = view = doctor.RankView(rank)
@@ -2793,12 +2793,19 @@ def test_ranks_in_init_process_group_get_stall_s_after_the_last_arrival_and_torc
     assert watcher._stall_start(115.0 + 4.0 + 0.1) is None
     assert watcher._stall_start(115.0 + 4.0 + backoff - 0.1) is None
     assert watcher._stall_start(115.0 + 4.0 + backoff + 0.1) == 100.0  # then it is one
-    # a rank that never reaches init_process_group is named stall_s after the others arrived
+    # a rank that never reaches init_process_group is named once the others had that long
     del watcher.views[0]
     assert watcher._stall_start(100.0 + 4.0 + 0.75 + 0.1) == 100.0
     watcher.views[1].apply({"ev": "end", "id": 1, "t": 101.0, "ok": True})  # past it: no grace
     watcher.views[1].apply({"ev": "op", "id": 2, "op": "barrier", "pg": "0", "seq": 1, "t": 102.0})
     assert watcher._stall_start(102.0 + 4.0 + 0.1) == 102.0
+    # a group set up again: the spread is the new arrivals', not the first init's
+    for rank, first, again in ((0, 115.0, 200.0), (1, 100.0, 200.5)):
+        watcher.views[rank] = view = doctor.RankView(rank)
+        view.apply({"ev": "op", "id": 1, "op": "init_process_group", "pg": "0", "seq": 0, "t": first})
+        view.apply({"ev": "end", "id": 1, "t": 116.0, "ok": True})
+        view.apply({"ev": "op", "id": 2, "op": "init_process_group", "pg": "0", "seq": 0, "t": again})
+    assert watcher._stall_start(200.5 + 4.0 + 0.75 * 1.5 + 0.1) == 200.0
 
 
 def test_a_progress_note_taken_during_a_collective_is_superseded_by_its_end():
@@ -3192,7 +3199,10 @@ def _wait_for_ranks(agent: subprocess.Popen, ready_dir: Path, script: str) -> li
         assert agent.poll() is None, "torchrun ended before its ranks were up"
         assert time.monotonic() - started < 60, "the ranks never came up"
         time.sleep(0.1)
-    return [p for p in psutil.process_iter(["cmdline"]) if script in " ".join(p.info["cmdline"] or [])]
+    ranks = [p for p in psutil.process_iter(["cmdline"])
+             if p.pid != agent.pid and script in " ".join(p.info["cmdline"] or [])]
+    assert len(ranks) == 2, [p.info["cmdline"] for p in ranks]
+    return ranks
 
 
 

@@ -318,6 +318,22 @@ def test_a_posted_call_gloo_aborted_its_rank_in_stays_its_place_though_torch_cou
     assert (found.kind, found.ranks) == ("shape-mismatch", [2]), found.summary
     assert [(report.op, report.seq, report.shapes) for report in found.per_rank] == [
         ("all_reduce", 5, [[8]]), ("all_reduce", 5, [[8]]), ("all_reduce", 5, [[1]])], found.per_rank
+    # each guard alone keeps the posted call open: no rank's record shows #5 ended well (both known
+    # from progress), or one's shows it ended well and another's that it failed
+    def ended_well(answer: dict) -> dict:  # a progress note, then the end's record: it ended well
+        answer["recs"] += [{"ev": "pg", "pg": {"0": [5, 5]}, "t": 15.9}, {"ev": "end", "id": 5, "t": 16.0,
+                                                                          "ok": True}]
+        return answer
+
+    by_progress = {rank: stopped(progress_only=True, stack=in_call) for rank in (0, 1)}
+    well_and_failed = {0: stopped(False, in_call), 1: ended_well(stopped(True, []))}
+    for case in (by_progress, well_and_failed):
+        found = leader.diagnose_answers(3, "failure", 1.0, case, beats, "here", {}, posted)
+        assert found.per_rank[2].shapes == [[1]], found.per_rank[2]
+    # one rank's record shows it ended well, none that it failed: rank 2 got through it
+    well = {0: stopped(True, in_call), 1: ended_well(stopped(True, []))}
+    found = leader.diagnose_answers(3, "failure", 1.0, well, beats, "here", {}, posted)
+    assert found.per_rank[2].op is None, found.per_rank[2]
     # stopped in its own code after the call returned (its end's record not written): placed there
     answers[1] = stopped(progress_only=True, stack=[frame("/job/train.py", 9, True)])
     found = leader.diagnose_answers(3, "failure", 1.0, answers, beats, "here", {}, posted)

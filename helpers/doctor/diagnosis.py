@@ -682,21 +682,13 @@ def _exit_site(view: RankView) -> dict[str, Any]:
 def _stopped_in(view: RankView, failed: Op | None, pos: Position) -> Op | None:
     """The call a rank its launcher stopped was last in: one that raised, else its last collective
     when that one's return is not on file (only the group's progress, which counts a failed
-    collective as completed too, closed it) and its stack is still inside torch.distributed, or
-    unknown."""
-    if failed is not None:
-        return failed
+    collective as completed too, closed it); None when its stack shows it at another line of its
+    own (it caught the error, or the call had returned, and went on)."""
     ops = _collectives(view)
-    if not ops or not ops[-1].inferred:
+    call = failed or (ops[-1] if ops and ops[-1].inferred else None)
+    if call is None or pos.where not in (None, call.where):
         return None
-    inside = pos.where is None or in_torch_distributed((view.state or {}).get("stack") or [])
-    return ops[-1] if inside else None
-
-
-def in_torch_distributed(frames: list[dict[str, Any]]) -> bool:
-    """Is a stack (frames as the tracer or py-spy give them) inside torch.distributed's Python,
-    where a blocking call waits?"""
-    return any("/torch/distributed/" in (frame.get("file") or "").replace("\\", "/") for frame in frames)
+    return call
 
 
 def _failed_op(view: RankView) -> Op | None:

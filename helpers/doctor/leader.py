@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from helpers.doctor.board import Seen
-from helpers.doctor.diagnosis import Diagnosis, diagnose, in_torch_distributed
+from helpers.doctor.diagnosis import Diagnosis, diagnose
 from helpers.doctor.records import RankView
 
 EVIDENCE_WAIT_S = 2.0  # the leader waits this long for the ranks' answers
@@ -128,7 +128,7 @@ def diagnose_answers(world: int, reason: str, since_s: float, answers: dict[int,
                 silent_ends.append(rank)
             elif not seen.beat.get("exit") and rank in (stacks or {}):
                 view.state["stack"], view.silent = stacks[rank], True
-                if not in_torch_distributed(stacks[rank]):  # its last beat caught it in a call that returned
+                if not _in_torch_distributed(stacks[rank]):  # its last beat caught it in a call that returned
                     _returned_since_beat(view)
                 notes.append(f"rank {rank} did not answer in {EVIDENCE_WAIT_S:.0f} s (native code holding "
                              "the GIL): its stack was read with py-spy")
@@ -152,6 +152,11 @@ def _silent_end_note(rank: int, kind: str) -> str:
         how = "SIGKILL from the OOM killer, gloo's or NCCL's abort (SIGABRT), a segfault"
     return (f"rank {rank} ended without a word (no exception, no exit code): killed by a signal, {how}; "
             "its agent's log has the signal, and its stack where it died")
+
+
+def _in_torch_distributed(frames: list[dict[str, Any]]) -> bool:
+    """Is a stack (py-spy's frames) inside torch.distributed's Python, where a blocking call waits?"""
+    return any("/torch/distributed/" in (frame.get("file") or "").replace("\\", "/") for frame in frames)
 
 
 def _returned_since_beat(view: RankView) -> None:

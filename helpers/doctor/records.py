@@ -167,6 +167,7 @@ class RankView:
         if op is None:
             return
         op.end, op.ok, op.error = event["t"], event.get("ok"), event.get("error")
+        op.inferred = False  # its end came after a progress note had closed it
         if op.ok:
             self.last_done_t = max(self.last_done_t or 0.0, event["t"])
             self._completed(op)

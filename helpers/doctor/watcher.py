@@ -206,17 +206,18 @@ class Doctor(Watcher):
         return min(starts) if starts else None
 
     def _connected_by(self, view: RankView) -> float:
-        """When a rank waiting in init_process_group should have met the others that arrived:
-        launched here, rank 0 hosts the group's store, and a rank that came before it retries its
-        connection with torch's backoff (``ExponentialBackoffWithJitter``: 0.5 s growing 1.5 times
-        a try, +-50 %, at most 60 s; torch/csrc/distributed/c10d/Backoff.hpp). Its next try can
-        be about 0.75 times what it waited after the last rank arrived: with rank 0 15 s late, here,
-        both ranks sat in init_process_group 4.3 s, and a stall_s of 4 s named a hang. 0 for a rank
-        elsewhere."""
+        """When a rank waiting in init_process_group should have met the others that arrived (0
+        for a rank not waiting there). Launched here, rank 0 hosts the group's store, and a rank
+        that came before it retries its connection with torch's backoff (``ExponentialBackoffWithJitter``:
+        0.5 s growing 1.5 times a try, +-50 %, at most 60 s; torch/csrc/distributed/c10d/Backoff.hpp):
+        its next try typically comes up to about 0.75 times what it had waited after the last rank
+        arrived. With rank 0 15 s late, here, both ranks sat in init_process_group 4.3 s, and a
+        stall_s of 4 s named a hang. Each rank's latest init_process_group counts (a script may
+        set its group up again)."""
         if not any(op.op == INIT_OP for op in view.open.values()):
             return 0.0
-        arrivals = [op.start for other in self.views.values() for op in other.python_ops()
-                    if op.op == INIT_OP and op.start is not None]
+        arrivals = [latest for latest in (_latest_init(other) for other in self.views.values())
+                    if latest is not None]
         if not arrivals:
             return 0.0
         waited = max(arrivals) - min(arrivals)
@@ -251,6 +252,12 @@ class Doctor(Watcher):
         self.diagnosis = diagnosis
         if self.keep_dir is not None:
             keep(run.run_dir, self.keep_dir, diagnosis)
+
+
+def _latest_init(view: RankView) -> float | None:
+    """When the rank last called init_process_group (None: never, as far as its records go)."""
+    return max((op.start for op in view.python_ops() if op.op == INIT_OP and op.start is not None),
+               default=None)
 
 
 def _since(moment: float) -> float:

@@ -218,8 +218,11 @@ def run_command_rank(argv: list[str], traced: bool) -> NoReturn:
         faulthandler.register(signal.SIGTERM, file=stack_handle, all_threads=True, chain=True)
         # and stopped the same way when its agent dies without stopping it (SIGKILLed with the
         # notebook kernel that ran it, or by the OOM killer): its workers, in sessions of their
-        # own, would otherwise run on, orphaned, holding the port and whatever they wait in
-        procs.set_parent_death_signal(os.getppid(), signal.SIGTERM)
+        # own, would otherwise run on, orphaned, holding the port and whatever they wait in. Only
+        # under torch's elastic agent (torchrun, accelerate launch), which starts its workers from
+        # its main thread: not under a shell that may leave (nohup) or another launcher
+        if os.environ.get("TORCHELASTIC_RUN_ID"):
+            procs.set_parent_death_signal(os.getppid(), signal.SIGTERM)
     if traced:
         trace.install(run_dir, rank)
     code = _run_as_main(argv, run_dir, rank)
