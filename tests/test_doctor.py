@@ -3216,3 +3216,77 @@ def test_a_faulthandler_dump_gives_the_main_threads_frames_and_one_cut_off_gives
     frames = source.faulthandler_stack(text)
     assert frames[-1]["where"] == f"{HERE}:{_line('dumped')}", frames[-3:]
     assert source.faulthandler_stack(text[text.index("\n") + 1:]) == []  # its header lost: not a dump
+
+
+# ---------------------------------------------------------------------------------------------
+# a rank importing a module (helpers/doctor/loading.py)
+
+IMPORTING = Path(__file__).parent / "fixtures" / "job" / "importing_script.py"
+LAZY_MODULE = IMPORTING.with_name("lazy_module.py")
+
+
+def _fixture_line(path: Path, marker: str) -> str:
+    """'name.py:N' of the one line of ``path`` marked ``# doctor-line: <marker>``."""
+    found = [number for number, text in enumerate(path.read_text().splitlines(), start=1)
+             if f"# doctor-line: {marker}" in text]
+    assert len(found) == 1, found
+    return f"{path.name}:{found[0]}"
+
+
+def _importing_run(tmp_path: Path, mode: str, stall_s: float) -> tuple[subprocess.CompletedProcess, dict]:
+    out, env = tmp_path / f"{mode}.json", {**os.environ, "MODE": mode, "STEP_S": str(0.6 * stall_s)}
+    done = subprocess.run([sys.executable, "-m", "helpers", "doctor", "--num-processes", "2", "--stall-s",
+                           str(stall_s), "--json", str(out), "--", str(IMPORTING)], capture_output=True,
+                          text=True, timeout=120, env=env, cwd=tmp_path)
+    return done, json.loads(out.read_text())
+
+
+def test_a_rank_whose_import_moves_on_is_looked_at_again_and_the_run_ends_well(tmp_path, leftovers):
+    # rank 1 imports a module that loads for 6 x 0.6 stall_s while rank 0 waits in an all_reduce:
+    # each look, stall_s apart, finds it at another step of the module, so it is no hang
+    done, data = _importing_run(tmp_path, "moves", stall_s=1.0)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert (data["verdict"], data["kind"]) == ("ok", "ok"), data
+    looked = [note for note in data["notes"] if "looked again" in note]
+    assert looked and all(f"at {_fixture_line(IMPORTING, 'import')}, loading lazy_module.py:" in note
+                          for note in looked), data["notes"]
+    leftovers.check()
+
+
+def test_a_rank_whose_import_waits_is_named_one_look_later_with_its_modules_line(tmp_path, leftovers):
+    done, data = _importing_run(tmp_path, "stuck", stall_s=1.0)
+    assert done.returncode == doctor.EXIT_CODES["hang"], done.stderr[-3000:]
+    assert (data["kind"], data["ranks"]) == ("rank-missing", [1]), data
+    assert data["per_rank"][1]["location"] == _fixture_line(LAZY_MODULE, "stuck"), data["per_rank"]
+    assert data["per_rank"][0]["location"] == _fixture_line(IMPORTING, "after"), data["per_rank"]
+    assert data["detected_after_s"] >= 2.0  # a look, then one more stall_s with the same stack
+    assert any("had not moved" in note for note in data["notes"]), data["notes"]
+    leftovers.check()
+
+
+def _importing_stack(line: int) -> list[dict]:
+    return [{"file": "train.py", "line": 18, "func": "<module>"},
+            {"file": "<frozen importlib._bootstrap>", "line": 1176, "func": "_find_and_load"},
+            {"file": "lazy.py", "line": line, "func": "<module>"}]
+
+
+def test_an_import_is_looked_at_again_while_its_stack_is_new_at_most_import_looks_times():
+    from helpers.doctor import loading
+
+    found = doctor.Diagnosis("hang", "rank-missing", [1], "", "", 2.0, per_rank=[
+        doctor.RankReport(0, "in-collective", "all_reduce", 2, None, "train.py:19", None),
+        doctor.RankReport(1, "outside-collective", None, None, None, "lazy.py:5", None)])
+    watch = loading.ImportWatch()
+    again, note = watch.look(found, {1: _importing_stack(5)}, 2.0)
+    assert again and "rank 1 (at train.py:18, loading lazy.py:5) was importing" in note, note
+    again, note = watch.look(found, {1: _importing_stack(5)}, 2.0)  # the same stack: it waits
+    assert not again and "had not moved" in note, note
+    again, _note = watch.look(found, {1: _importing_stack(6)}, 2.0)  # moved on again
+    assert again
+    assert watch.look(found, {1: [{"file": "lazy.py", "line": 7, "func": "<module>"}]}, 2.0) == (False, None)
+    for line in range(100, 100 + loading.IMPORT_LOOKS):  # every stack new: looked at IMPORT_LOOKS times
+        again, _note = watch.look(found, {1: _importing_stack(line)}, 2.0)
+    assert not again
+    in_call = doctor.Diagnosis("hang", "rank-missing", [1], "", "", 2.0, per_rank=[
+        doctor.RankReport(1, "in-collective", "all_reduce", 2, None, "train.py:19", None)])
+    assert loading.ImportWatch().look(in_call, {1: _importing_stack(5)}, 2.0) == (False, None)

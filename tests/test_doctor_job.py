@@ -187,6 +187,27 @@ def test_a_healthy_job_with_a_late_rank_is_left_alone_and_exits_0(script, tmp_pa
     leftovers.check()
 
 
+def test_a_rank_on_another_node_whose_import_moves_on_is_looked_at_again_and_the_job_exits_0(tmp_path,
+                                                                                            leftovers):
+    # the last rank, alone on the second node, imports a module that loads for 6 x 0.6 stall_s
+    # while rank 0 waits in an all_reduce (helpers/doctor/loading.py)
+    folder = tmp_path / "script"
+    folder.mkdir()
+    for name in ("importing_script.py", "lazy_module.py"):
+        shutil.copyfile(FIXTURE.with_name(name), folder / name)
+    script = folder / "importing_script.py"
+    outcome = runs.run_job([str(script)], tmp_path / "job", nodes=2, per_node=1, stall_s=2.0,
+                           timeout_s=TIMEOUT_S, env={"MODE": "moves", "STEP_S": "1.2"})
+    assert not _left(script), "job processes left"
+    assert outcome.agent_codes == [0, 0], outcome.outputs[0][-3000:]
+    data = _json(outcome, world=2)
+    assert (data["verdict"], data["kind"]) == ("ok", "ok"), data
+    looked = [note for note in data["notes"] if "looked again" in note]
+    assert looked and all("rank 1 (at importing_script.py:" in note for note in looked), data["notes"]
+    assert "was importing a module" in outcome.outputs[0]  # the leader said why it waited
+    leftovers.check()
+
+
 def test_ranks_that_each_ran_alone_are_told_so_once_per_node(tmp_path, leftovers):
     # without a GPU, a plain Accelerator() under torchrun makes a process group of the world and then
     # runs each rank as the only process; a script that never joins a group runs alone too

@@ -351,7 +351,7 @@ def _callers(view: RankView) -> list[tuple[str, int, str]]:
     if isinstance(recorded, list) and recorded:
         callers = [tuple(caller) for caller in recorded if isinstance(caller, list) and len(caller) == 3]
     else:
-        stack = (view.state or {}).get("stack") or faulthandler_stack(view.stack_text)
+        stack = main_stack(view)
         callers = [(frame["file"], frame["line"], frame["where"]) for frame in stack if frame.get("user")]
     # the user's own files: an installed package counts as the user's code for a call site, but its
     # loops and branches (a trainer's, a test runner's) are not the user's story
@@ -704,7 +704,7 @@ def _current(view: RankView) -> Position:
     state = view.state or {}
     pending_fr = [e for e in state.get("fr") or [] if not e.get("retired") and not e.get("is_p2p")]
     sync_open = [op for op in view.open.values() if not op.async_]
-    stack = state.get("stack") or faulthandler_stack(view.stack_text)
+    stack = main_stack(view)
     frame = _innermost_user_frame(stack)
     if sync_open:
         op = sync_open[-1]
@@ -775,6 +775,11 @@ def _groups_made_in_different_orders(views: dict[int, RankView]
             ranks = sorted({rank for holders in members.values() for rank in holders})
             return ranks, name, {key: sorted(holders) for key, holders in sorted(members.items())}
     return None
+
+
+def main_stack(view: RankView) -> list[dict[str, Any]]:
+    """A rank's main-thread frames (outermost first): from its state dump, else faulthandler's."""
+    return (view.state or {}).get("stack") or faulthandler_stack(view.stack_text)
 
 
 def _innermost_user_frame(stack: list[dict[str, Any]]) -> dict[str, Any] | None:

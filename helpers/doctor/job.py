@@ -63,6 +63,7 @@ from helpers.doctor.leader import (
     should_diagnose,
     still_runs,
 )
+from helpers.doctor.loading import ImportWatch
 from helpers.doctor.records import RankView, fold
 
 TICK_S = 0.25  # how often a watchdog posts its heartbeat and reads the leader's keys
@@ -277,6 +278,8 @@ class Watchdog(threading.Thread):
         self.exit_mono: float | None = None
         self.answered = 0
         self.hold_until = 0.0  # the leader's next look, after a trigger that found nothing wrong
+        self.imports = ImportWatch()  # a stall while a rank imports is looked at again (loading.py)
+        self.looked_again: list[str] = []  # the notes of those looks, for the diagnosis
         self.decided = threading.Event()  # a verdict exists (or the store is gone): ended ranks leave
         self.verdict: dict[str, Any] | None = None
         self.signalled: int | None = None
@@ -675,6 +678,15 @@ class Watchdog(threading.Thread):
         if diagnosis.kind == "ok" and reason != "finished":  # heartbeats a tick old (a rank shown still in
             self.hold_until = time.monotonic() + HOLD_S  # init after it left it): a healthy job is left
             return  # alone; the claim stays this rank's, and the next look reads fresh heartbeats
+        if reason == "stall":  # a rank importing a module: late, not stuck, while its import moves on
+            answered = {rank: answer.get("stack") or [] for rank, answer in answers.items()}
+            again, note = self.imports.look(diagnosis, {**answered, **stacks}, self.options.stall_s)
+            self.looked_again.extend([note] if note else [])
+            if again:
+                print(f"doctor: {note}", file=sys.stderr)
+                self.hold_until = time.monotonic() + self.options.stall_s
+                return
+        diagnosis.notes.extend(self.looked_again)
         self._compare_software(diagnosis, roster)
         diagnosis.notes.append(f"diagnosed inside the job by rank {self.job.rank} (on {self.host}), "
                                f"through the job's store at {self.job.master_addr}:{self.job.master_port}")

@@ -20,9 +20,9 @@ from typing import Any
 
 from helpers import params, report, rundir, trace
 from helpers.collectives import INIT_OP
-from helpers.doctor.diagnosis import Diagnosis, diagnose
+from helpers.doctor.diagnosis import Diagnosis, diagnose, main_stack
+from helpers.doctor.loading import ImportWatch
 from helpers.doctor.records import RankView, read_new_records, read_text
-from helpers.doctor.source import faulthandler_stack
 from helpers.launch import LaunchError, LaunchTimeout, RankError, RankExited, Run, Watcher, rank_failure
 
 DEFAULT_STALL_S = 30.0
@@ -66,6 +66,8 @@ class Doctor(Watcher):
         self.started = time.time()
         self.read_by_py_spy: set[int] = set()  # ranks whose stack py-spy read (their helper was silent)
         self.passed: list[str] = []  # stalls that ended on their own while the evidence was gathered
+        self.imports = ImportWatch()  # a stall while a rank imports is looked at again (loading.py)
+        self.hold_until = 0.0  # when a stall that found a rank importing is looked at again
 
     # -- Watcher protocol -------------------------------------------------------------------
 
@@ -77,7 +79,7 @@ class Doctor(Watcher):
         if needed:
             self._stop(run, "exited", now, None)
         stall_start = self._stall_start(now)
-        if stall_start is not None:
+        if stall_start is not None and now >= self.hold_until:
             self._stop(run, "stall", now, stall_start)
 
     def explain(self, run: Run, error: LaunchError) -> LaunchError:
@@ -173,7 +175,7 @@ class Doctor(Watcher):
         for rank in run.live_ranks():
             view, pid = self.views[rank], run.processes[rank].pid
             if pid:
-                waiting[rank] = (pid, (view.state or {}).get("stack") or faulthandler_stack(view.stack_text))
+                waiting[rank] = (pid, main_stack(view))
         for rank, workers in pyspy.children_waited_for(waiting).items():
             self.views[rank].workers = workers
 
@@ -242,7 +244,14 @@ class Doctor(Watcher):
             self.passed.append(f"progress stopped for {_since(since):.1f} s ({reason}), then every rank "
                                "went on and finished while their stacks were gathered")
             return
-        diagnosis.notes.extend(self._read_notes())
+        if reason == "stall":  # a rank importing a module: late, not stuck, while its import moves on
+            stacks = {rank: main_stack(view) for rank, view in self.views.items()}
+            again, note = self.imports.look(diagnosis, stacks, self.stall_s)
+            self.passed.extend([note] if note else [])
+            if again:
+                self.hold_until = time.time() + self.stall_s
+                return
+        diagnosis.notes.extend(self._read_notes() + self.passed)
         self._conclude(run, diagnosis)
         error = HangDetected(diagnosis.text(), self.stacks_of(run))
         _attach(error, diagnosis)

@@ -1,0 +1,87 @@
+"""A rank that is importing a module is loading code, not waiting for the others: a stall judged
+while one is, is looked at again.
+
+Python imports lazily, and torch does so after init_process_group: the first optimizer's
+``add_param_group`` (wrapped by ``torch._disable_dynamo``, torch/_compile.py) imports torch._dynamo,
+1.3 s on this machine idle and over 4 s beside other jobs on its 2 cores; from a shared file system
+read by many nodes at once it takes minutes. The ranks that got past it first wait meanwhile in
+their first collective, and at a short ``stall_s`` the late one read as a rank that never came.
+
+So a stall is looked at again ``stall_s`` later when a live rank outside any collective has
+importlib's frames on its main thread's stack and that stack is one the doctor has not seen on it
+before (the import moves on), ``IMPORT_LOOKS`` times at most per rank. An import that does not move
+(a deadlock on the import lock, a module that waits on a network as it is imported, a loop at a
+module's top level: its stacks come round again) is diagnosed as any stall, one look later.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from helpers.doctor.diagnosis import Diagnosis
+
+IMPORT_FILES = ("<frozen importlib._bootstrap>", "<frozen importlib._bootstrap_external>")
+IMPORT_LOOKS = 10  # looks again per rank, at most: an import whose stacks never repeat is named too
+
+
+def importing(stack: list[dict[str, Any]]) -> bool:
+    """Is this stack (outermost first) inside an import?"""
+    return any(frame.get("file") in IMPORT_FILES for frame in stack)
+
+
+def imported_where(stack: list[dict[str, Any]]) -> str:
+    """'train.py:18, loading lazy_module.py:20': the line whose import runs, and the line of the
+    innermost module being loaded (the frame importlib runs last)."""
+    first = next(i for i, frame in enumerate(stack) if frame.get("file") in IMPORT_FILES)
+    last = max(i for i, frame in enumerate(stack) if frame.get("file") in IMPORT_FILES)
+    where = _where(stack[first - 1]) if first > 0 else "the rank's start"
+    return f"{where}, loading {_where(stack[last + 1])}" if last + 1 < len(stack) else where
+
+
+def _where(frame: dict[str, Any]) -> str:
+    return f"{Path(str(frame.get('file'))).name}:{frame.get('line')}"
+
+
+class ImportWatch:
+    """The stacks seen on each rank while it was importing, and how many looks again it had."""
+
+    def __init__(self) -> None:
+        self.seen: dict[int, set[tuple]] = {}
+        self.looks: dict[int, int] = {}
+
+    def look(self, diagnosis: Diagnosis, stacks: dict[int, list[dict[str, Any]]],
+             stall_s: float) -> tuple[bool, str | None]:
+        """Whether to look at the stall again ``stall_s`` later (a rank outside any collective in
+        ``diagnosis`` is importing, its stack new: the import has moved on since the earlier
+        looks), and a note for the diagnosis (None: no rank was importing)."""
+        moving, still = [], []
+        for entry in diagnosis.per_rank:
+            stack = stacks.get(entry.rank) or []
+            if entry.state != "outside-collective" or not importing(stack):
+                continue
+            key = tuple((frame.get("file"), frame.get("line")) for frame in stack)
+            seen = self.seen.setdefault(entry.rank, set())
+            if key not in seen and self.looks.get(entry.rank, 0) < IMPORT_LOOKS:
+                moving.append(entry.rank)
+                self.looks[entry.rank] = self.looks.get(entry.rank, 0) + 1
+            else:
+                still.append(entry.rank)
+            seen.add(key)
+        if moving:
+            return True, (f"no progress for {diagnosis.detected_after_s or 0.0:.1f} s while "
+                          f"{_ranks_at(moving, stacks)} importing a module: loading code, not waiting for "
+                          f"another rank, so the doctor looked again {stall_s:g} s later (at most "
+                          f"{IMPORT_LOOKS} times a rank, while its import moves on)")
+        if still:
+            return False, (f"{_ranks_at(still, stacks)} importing a module, and its import had not moved "
+                           "since the doctor's last look: an import that waits (for the import lock another "
+                           "thread holds, a file, the network, another rank) or a loop at a module's top "
+                           "level")
+        return False, None
+
+
+def _ranks_at(ranks: list[int], stacks: dict[int, list[dict[str, Any]]]) -> str:
+    """'rank 1 (at train.py:18, loading lazy.py:20) was'."""
+    listed = "; ".join(f"rank {rank} (at {imported_where(stacks[rank])})" for rank in ranks)
+    return f"{listed} {'was' if len(ranks) == 1 else 'were'}"
