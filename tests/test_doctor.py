@@ -2963,6 +2963,19 @@ def test_a_branch_on_a_name_the_script_gave_the_rank_is_rank_conditional(tmp_pat
     assert conditional == [9, 11, 31]  # 15: args.local_rank is no name the script gave the rank
 
 
+def test_a_name_read_from_the_launchers_rank_variable_is_the_rank(tmp_path):
+    # an unseen script: 'if local_rank == 0 and dropped.item() > 0:' around a subgroup's all_reduce
+    script = tmp_path / "stats.py"
+    script.write_text("import os\nimport torch.distributed as dist\n\n\ndef main():\n"
+                      "    local_rank = int(os.environ.get('LOCAL_RANK', '0'))\n"  # 6
+                      "    node = int(os.getenv('GROUP_RANK', 0))\n"  # 7
+                      "    size = int(os.environ.get('WORLD_SIZE', '1'))\n"  # 8
+                      "    if local_rank == 0:\n        dist.barrier()\n"  # 9, 10
+                      "    if node == 1:\n        dist.barrier()\n"  # 11, 12
+                      "    if size > 1:\n        dist.barrier()\n")  # 13, 14
+    assert [line for line in (10, 12, 14) if source.rank_conditional(str(script), line)] == [10, 12]
+
+
 def test_the_branch_on_the_rank_around_a_line_is_the_innermost_with_its_test(tmp_path):
     script = tmp_path / "evaluate.py"
     script.write_text(_RANK_NAMED_OTHERWISE + "\n\ndef save(accelerator, flag):\n"  # 44

@@ -178,7 +178,7 @@ def _from_rank(node: ast.AST, names: set[str]) -> bool:
         return named or bool(_RANK_TEST.search(_text(node)))
     if isinstance(node, ast.Call):
         func = _text(node.func)
-        return bool(_RANK_TEST.search(func)) or (
+        return bool(_RANK_TEST.search(func)) or _env_rank(node, func) or (
             func in ("int", "bool") and any(_from_rank(arg, names) for arg in node.args))
     if isinstance(node, ast.Compare) and _against_minus_one(node):
         return False
@@ -186,6 +186,13 @@ def _from_rank(node: ast.AST, names: set[str]) -> bool:
         parts = [part for part in ast.iter_child_nodes(node) if isinstance(part, ast.expr)]
         return any(_from_rank(part, names) for part in parts)
     return False
+
+
+def _env_rank(node: ast.Call, func: str) -> bool:
+    """``os.environ.get("LOCAL_RANK", "0")``, ``os.getenv("RANK")``: the launcher's rank variable."""
+    first = node.args[0] if node.args else None
+    return (func.endswith(("environ.get", "getenv")) and isinstance(first, ast.Constant)
+            and isinstance(first.value, str) and bool(_RANK_TEST.search(first.value)))
 
 
 def _assignments(node: ast.AST, scope: Scope):
