@@ -279,6 +279,7 @@ class Watchdog(threading.Thread):
         self.answered = 0
         self.hold_until = 0.0  # the leader's next look, after a trigger that found nothing wrong
         self.imports = ImportWatch()  # a stall while a rank imports is looked at again (loading.py)
+        self.stall_hold_until = 0.0  # when that look comes (a failure is not held for it)
         self.looked_again: list[str] = []  # the notes of those looks, for the diagnosis
         self.decided = threading.Event()  # a verdict exists (or the store is gone): ended ranks leave
         self.verdict: dict[str, Any] | None = None
@@ -661,6 +662,8 @@ class Watchdog(threading.Thread):
         if trigger is None or time.monotonic() < self.hold_until or not board.claim():
             return
         reason, since_s = trigger
+        if reason == "stall" and time.monotonic() < self.stall_hold_until:
+            return
         started = time.monotonic()
         number = board.new_request()
         self.answered = number
@@ -684,7 +687,7 @@ class Watchdog(threading.Thread):
             self.looked_again.extend([note] if note else [])
             if again:
                 print(f"doctor: {note}", file=sys.stderr)
-                self.hold_until = time.monotonic() + self.options.stall_s
+                self.stall_hold_until = time.monotonic() + self.options.stall_s
                 return
         diagnosis.notes.extend(self.looked_again)
         self._compare_software(diagnosis, roster)
