@@ -1270,6 +1270,20 @@ def test_the_ranks_that_came_round_a_loop_past_the_others_call_are_the_culprits(
     assert _culprits(present) == [0, 2]
     text = wording.divergence_summary("collective-mismatch", ("0", 12), present, [0, 2], {})
     assert "the continue at skip.py:6 (if bad)" in text and "skip.py:3" not in text, text
+    # three of four came round past a call under a condition that no exit of the loop decides, the
+    # fourth alone in it (unseen script: 'if global_step % save_every == 0:', save_every from its
+    # own shard's length): the one is the odd one out, and the cure is the condition's
+    script = tmp_path / "save.py"
+    script.write_text("for step in range(9):\n"
+                      "    all_reduce(t)\n"
+                      "    if step % save_every == 0:\n"
+                      "        gather_object(state)\n")
+    present = _turn_ops(script, {0: ("all_reduce", 2), 1: ("all_reduce", 2), 2: ("all_reduce", 2),
+                                 3: ("gather_object", 4)})
+    assert _culprits(present) == [3]
+    text = wording.divergence_summary("collective-mismatch", ("0", 12), present, [3], {})
+    assert "That call is under 'if step % save_every == 0:' at save.py:3." in text, text
+    assert diagnosis_module._loop_cures(text) == [wording.CONDITION_CURE]
     # a break out of an inner loop that the outer loop runs again is named too
     script = tmp_path / "inner.py"
     script.write_text("for epoch in range(9):\n"

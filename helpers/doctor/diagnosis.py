@@ -1009,10 +1009,11 @@ def _loop_cures(summary: str) -> list[str]:
     """The cures for a loop that ran out first on some ranks: deciding its skips and exits together
     first when the summary names one likely to differ between ranks (``wording.loop_exits_text``),
     second when it names one only hedged. For a turn some ranks skipped part of, that alone when a
-    continue did it (the kind's own fix otherwise: a condition around the call)."""
+    continue did it, or the condition around the call (the kind's own fix otherwise)."""
     if wording.LATER_TURN in summary:  # a turn's skip on some ranks, not a loop that ran out
-        skips = wording.LOOP_EXITS in summary or wording.ON_THE_WAY in summary
-        return [wording.LOOP_EXIT_CURE] if skips else []
+        if wording.LOOP_EXITS in summary or wording.ON_THE_WAY in summary:
+            return [wording.LOOP_EXIT_CURE]
+        return [wording.CONDITION_CURE] if wording.UNDER_GUARD in summary else []
     if wording.LOOP_EXITS not in summary:
         return [wording.UNEVEN_LOOP_CURE]
     if wording.EXIT_HEDGE in summary:  # an exit alike on every rank, most likely: the data came first
@@ -1267,7 +1268,9 @@ def _odd_ones_out(groups: dict[tuple, list[int]], present: dict[int, Op], histor
     the many and the others came round a loop past their call, ``wording.turn_skipped``: the few
     skipped the call, as 'if not (rank == 1 and bad):' does), then a condition on a per-rank value
     (around the calls of at most half the ranks, when the others came round a loop past them), then
-    the ranks that came round a loop past the others' call, then a strict majority, then history."""
+    the ranks that came round a loop past the others' call (or, when they are the many and no exit
+    of the loop skipped it, the few left in it: 'if step % save_every == 0:' with a save_every of
+    its own on one rank), then a strict majority, then history."""
     everyone = sorted(present)
     root = _common_root(present)
     if root in present and all(wording.is_object_list(op) for op in present.values()):
@@ -1286,8 +1289,11 @@ def _odd_ones_out(groups: dict[tuple, list[int]], present: dict[int, Op], histor
     decided_by_few = deciding and len(deciding) < len(everyone) and len(deciding) * 2 <= len(everyone)
     if decided_by_few or (deciding and len(deciding) < len(everyone) and skipped is None):
         return deciding
-    if skipped is not None:  # the ranks that came round the loop past the others' call skipped it
-        return skipped[0]
+    if skipped is not None:  # the ranks that came round the loop past the others' call skipped it;
+        # unless they are the many and no continue, break or return did: then the few are alone in a
+        # call under a condition of their own
+        few_in_it = len(skipped.early) * 2 > len(everyone) and not wording.skipped_by_exit(skipped)
+        return skipped.late if few_in_it else skipped.early
     largest = max(groups.values(), key=len)
     if len(largest) * 2 > len(everyone):
         return [r for r in everyone if r not in largest]

@@ -185,6 +185,7 @@ CROSSED_P2P_CURE = (
 LOOP_RAN_OUT = "ran out first"  # in a summary: some ranks left a loop the others are still in
 LOOP_EXITS = "In that loop, "  # in a summary: the continue, break or return that can end a turn early
 LATER_TURN = "come round to the loop at"  # in a summary: ranks skipped the others' call in it
+UNDER_GUARD = "That call is under"  # in a summary: the call they skipped sits in an if
 EXIT_HEDGE = "if its condition can differ between ranks"  # in it: no exit is likely to differ
 LOOP_EXIT_CURE = (
     "Decide each skip and early exit of the loop on every rank together: reduce its condition across "
@@ -795,6 +796,13 @@ def turn_skipped(present: dict[int, Op], positions: dict[int, Position]) -> Turn
     return _turn_skipped_on_stacks(sites, positions)
 
 
+def skipped_by_exit(skipped: TurnSkipped) -> bool:
+    """Did a continue, break or return skip the late side's call on the early side (not only a
+    condition around that call)?"""
+    return bool(loop_exits_text(skipped.file, skipped.header, skipped.call_line, after=skipped.first)
+                or _returns_before_text(skipped.inner))
+
+
 def _one_turn_apart(file: str, first: int, call_line: int) -> bool:
     """Are two lines in the body of one loop, the earlier unconditional in it?"""
     header = enclosing_loop(file, call_line)
@@ -856,7 +864,7 @@ def _next_turn(present: dict[int, Op], positions: dict[int, Position]) -> str:
             "loop run anew).")
     guard = enclosing_condition(file, call_line)
     if guard is not None and guard[0] > header:
-        text += f" That call is under {_branch_words(guard, file)}."
+        text += f" {UNDER_GUARD} {_branch_words(guard, file)}."
     return text + loop_exits_text(file, header, call_line, after=first) + _returns_before_text(inner)
 
 
