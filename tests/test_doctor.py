@@ -614,6 +614,13 @@ def test_a_known_error_leads_the_fix_only_for_a_culprit_that_raised_it():
     twice = Position(1, "exited", detail="raised RuntimeError: Expected to mark a variable ready only once. "
                                          "This error is caused by one of the following reasons: ...")
     assert wording.fix("rank-exited", [twice]).startswith("DDP marked a parameter's gradient ready twice")
+    # unseen script: a defaultdict(lambda: ...) of one rank's own in an all_gather_object, as
+    # Python 3.11 words each kind of object that cannot be pickled
+    for error in ("AttributeError: Can't pickle local object 'summarize.<locals>.<lambda>'",
+                  "TypeError: cannot pickle '_thread.lock' object",
+                  "_pickle.PicklingError: Can't pickle <function <lambda> at 0x7f>: attribute lookup failed"):
+        fix = wording.fix("rank-exited", [Position(3, "exited", detail=f"raised {error}")])
+        assert fix.startswith("An object collective (all_gather_object, "), fix
     # NCCL asked for where it cannot run: a CPU build of torch (as here), or a machine without GPUs
     for error in ("RuntimeError: Distributed package doesn't have NCCL built in",
                   "ValueError: ProcessGroupNCCL is only supported with GPUs, no GPUs found!"):

@@ -149,6 +149,13 @@ KNOWN_ERRORS = [
      "makes it fail instead of asking), a slow network copy, or a lock. A command every rank needs "
      "runs best once before the launch, or on the main process inside with "
      "accelerator.main_process_first()."),
+    (re.compile(r"[Cc]an't pickle|cannot pickle"),  # pickle's AttributeError, TypeError, PicklingError
+     "An object collective (all_gather_object, gather_object, broadcast_object_list, accelerate's "
+     "gather_object) pickles the object on each rank before it sends anything, and torch requires it "
+     "to be picklable (their docstrings): one that is not (a lambda or a function defined inside "
+     "another, a defaultdict whose factory is one, a lock, an open file, a generator) raises on that "
+     "rank alone while the others wait in the collective. Send plain data: dict(counts) for a "
+     "defaultdict, numbers and strings for the rest, or leave the part that cannot be pickled out."),
     (re.compile(r"CUDA out of memory|OutOfMemoryError"),
      f"CUDA ran out of memory on that rank: {NB_MEMORY} finds the largest batch that fits; "
      "PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True helps when the error says much memory is "
