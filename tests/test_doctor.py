@@ -3324,3 +3324,39 @@ def test_an_import_is_looked_at_again_while_its_stack_is_new_at_most_import_look
     in_call = doctor.Diagnosis("hang", "rank-missing", [1], "", "", 2.0, per_rank=[
         doctor.RankReport(1, "in-collective", "all_reduce", 2, None, "train.py:19", None)])
     assert loading.ImportWatch().look(in_call, {1: _importing_stack(5)}, 2.0) == (False, None)
+
+
+def test_a_rank_that_caught_its_error_and_destroyed_the_group_in_a_finally_is_told_so(leftovers):
+    # unseen script: train() in a try whose 'except Exception:' logs, destroy_process_group() in its
+    # finally; rank 1's error ends it as finished (exit 0), and rank 0's next all_reduce fails as the
+    # group is gone: caught by the same except, every rank finishes, yet nothing matched. (Each rank
+    # then writes its results for a moment: rank 0's failed call has ended when rank 1 finishes,
+    # else the doctor names rank 1 as it ends, while rank 0 still waits: the f8 job's case.)
+    found = doctor.run_function(_caught_then_destroyed, num_processes=2, stall_s=1.5, timeout_s=60)
+    assert (found.verdict, found.kind, found.ranks) == ("mismatch", "rank-exited", [1]), found.text()
+    assert found.summary.startswith(f"Every rank finished, but rank 0's all_reduce at {HERE}:"
+                                    f"{_line('after the error')} (collective #2) raised"), found.summary
+    assert "Rank 1 never issued collective #2: it had left, after it destroyed" in found.summary
+    said = (f"Its destroy_process_group is in the finally of a try whose 'except Exception:' at "
+            f"{HERE}:{_line('caught')} {wording.SWALLOWED_END}: an error raised in that try on rank 1")
+    assert said in found.summary, found.summary
+    assert found.fix.startswith(wording.SWALLOWED_END_CURE), found.fix
+    leftovers.check()
+
+
+def _caught_then_destroyed():
+    import time
+
+    import torch
+    import torch.distributed as dist
+
+    try:
+        for step in range(3):
+            if dist.get_rank() == 1 and step == 1:
+                raise IndexError("position 70 is past the table")
+            dist.all_reduce(torch.ones(1))  # line: after the error
+    except Exception:  # line: caught
+        pass
+    finally:
+        dist.destroy_process_group()
+        time.sleep(0.5)  # its results written

@@ -169,6 +169,8 @@ def diagnose(views: dict[int, RankView], num_processes: int, reason: str,
     kind, culprits, summary, *cures = _classify(positions, histories, views)  # a cure the evidence tells
     if wording.SWALLOWED in summary:  # a collective in a try whose except swallows a rank's error
         cures = [wording.SWALLOW_CURE, *cures]
+    if wording.SWALLOWED_END in summary:  # a rank that caught its error and ended through a finally
+        cures = [wording.SWALLOWED_END_CURE, *cures]
     sizes = _batch_sizes(views)
     if kind != "ok" and len(set(sizes.values())) > 1:  # find_executable_batch_size retried on some alone
         culprits = sorted(rank for rank, size in sizes.items() if size < max(sizes.values()))
@@ -886,10 +888,36 @@ def _classify(positions: dict[int, Position], histories: dict[int, dict], views:
             return "rank-missing", unborn, wording.unborn_ranks_summary(unborn, positions), wording.WORLD_CURE
         return "unknown", [], wording.all_in_init_summary(positions), wording.INIT_CONNECT_CURE
     if all(p.state == "finished" for p in positions.values()):
+        caught = _caught_failures(views)
+        if caught:
+            left = _left_before(caught, views)
+            summary = wording.caught_failure_summary(caught, left, positions)
+            return "rank-exited", left or sorted(caught), summary
         count = max((len(h) for h in histories.values()), default=0)
         return "ok", [], (f"All {len(positions)} ranks finished; their collectives matched "
                           f"({count} compared per rank).")
     return "unknown", [], wording.unknown_summary(positions)
+
+
+def _caught_failures(views: dict[int, RankView]) -> dict[int, Op]:
+    """Each rank's first collective that raised, of ranks that finished all the same (the script
+    caught the error: 'except Exception: log'), by rank."""
+    found = {}
+    for rank, view in views.items():
+        failed = [op for op in _collectives(view) if op.ok is False]
+        if failed and view.exit_code == 0:
+            found[rank] = failed[0]
+    return found
+
+
+def _left_before(caught: dict[int, Op], views: dict[int, RankView]) -> list[int]:
+    """The ranks that never issued the first collective that failed (by its group and number):
+    they had left, their group destroyed or their process ended, when the others called it."""
+    op = min(caught.values(), key=lambda each: each.seq if each.seq is not None else 1 << 30)
+    if op.seq is None:
+        return []
+    return sorted(rank for rank, view in views.items() if rank not in caught
+                  and (op.pg, op.seq) not in python_history(view))
 
 
 def _aborted_kind(culprits: list[int], dead: int, others: list[int], positions: dict[int, Position],

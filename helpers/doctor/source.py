@@ -354,8 +354,24 @@ def swallowing_handler(filename: str | None, line: int | None) -> tuple[int, str
              and node.body and node.body[0].lineno <= line <= (node.body[-1].end_lineno or 0)]
     if not tries:  # (a try with only a finally is passed over for the one around it)
         return None
-    innermost = max(tries, key=lambda node: node.lineno)
-    for handler in innermost.handlers:
+    return _swallowing(max(tries, key=lambda node: node.lineno))
+
+
+def swallowing_finally(filename: str | None, line: int | None) -> tuple[int, str] | None:
+    """The ``except`` clause (its line and text) that re-raises nothing, of the innermost ``try``
+    whose ``finally`` holds ``line``: an error raised in that try on one rank is caught, and the
+    rank goes through the finally (a destroy_process_group there) and on as if its work were done."""
+    parsed = _tree(filename)
+    if parsed is None or line is None:
+        return None
+    tries = [node for node in ast.walk(parsed[0]) if isinstance(node, ast.Try) and node.handlers
+             and node.finalbody and node.finalbody[0].lineno <= line <= (node.finalbody[-1].end_lineno or 0)]
+    return _swallowing(max(tries, key=lambda node: node.lineno)) if tries else None
+
+
+def _swallowing(node: ast.Try) -> tuple[int, str] | None:
+    """A try's first handler that catches any error and re-raises nothing: its line and text."""
+    for handler in node.handlers:
         if _catches_errors(handler) and not _leaves(handler):
             caught = f" {ast.unparse(handler.type)}" if handler.type is not None else ""
             return handler.lineno, f"except{caught}{f' as {handler.name}' if handler.name else ''}:"

@@ -27,6 +27,7 @@ from helpers.doctor.source import (
     returns_before,
     share_a_loop,
     source_line,
+    swallowing_finally,
     swallowing_handler,
     values_read,
 )
@@ -1113,7 +1114,7 @@ def exited_summary(culprits: list[int], positions: dict[int, Position]) -> str:
     if needing:
         waits = ", ".join(f"rank {p.rank} in {_op_name(p.op)}{_at(p)}" for p in needing)
         text += f" while other ranks still needed {'it' if len(culprits) == 1 else 'them'} ({waits})"
-    return text + "."
+    return text + "." + (_caught_before_destroy(positions[finished[0]]) if len(finished) == 1 else "")
 
 
 SIZE_ABORT = (
@@ -1173,6 +1174,11 @@ def aborted_summary(dead: int, different: list[int], positions: dict[int, Positi
 
 
 SWALLOWED = "swallows what it catches"  # in a summary: a collective in a try whose except re-raises nothing
+SWALLOWED_END = "re-raises nothing"  # in a summary: a rank ended through a finally after such an except
+SWALLOWED_END_CURE = (
+    "Let an error end the rank that raised it: in the except, re-raise after logging it (raise, or "
+    "sys.exit(1)), so that its launcher sees the rank fail and stops the job; caught and followed by "
+    "destroy_process_group(), it leaves with exit 0 while the other ranks wait in their next collective.")
 SWALLOW_CURE = (
     "Keep collectives out of a try whose except swallows errors: compute the value first (guard the "
     "division by zero, the missing key), then call the collective on every rank outside the try; or, on "
@@ -1380,8 +1386,39 @@ def _destroyed_text(pos: Position) -> str:
     if not pos.destroyed_at:
         return ""
     under = _under_condition(*pos.destroyed_site) if pos.destroyed_site else ""
-    return (f", after it destroyed the default process group at {pos.destroyed_at} (destroy_process_group"
+    text = (f", after it destroyed the default process group at {pos.destroyed_at} (destroy_process_group"
             f"{f', {under}' if under else ''})")
+    return text
+
+
+def caught_failure_summary(caught: dict[int, Op], left: list[int], positions: dict[int, Position]) -> str:
+    """'Every rank finished, but rank 0's all_reduce at train.py:12 (collective #2) raised
+    RuntimeError: Connection closed by peer ..., and the script went on: rank 1 never issued
+    collective #2 (it had left, after it destroyed ...).'"""
+    parts = [f"rank {rank}'s {_op_name(op)}{f' at {op.where}' if op.where else ''}"
+             f"{f' (collective #{op.seq})' if op.seq is not None else ''} raised "
+             f"{short_error(op.error).rstrip('.')}" for rank, op in sorted(caught.items())]
+    text = (f"Every rank finished, but {'; '.join(parts)}, and the script caught the error and went on "
+            "(exit 0): the job's result is incomplete.")
+    if left:
+        first = min(caught.values(), key=lambda each: each.seq if each.seq is not None else 1 << 30)
+        they = "it" if len(left) == 1 else "they"
+        text += (f" {ranks_text(left)} never issued collective #{first.seq}: {they} had left"
+                 f"{_destroyed_text(positions[left[0]]) if len(left) == 1 else ''}.")
+        text += _caught_before_destroy(positions[left[0]]) if len(left) == 1 else ""
+    return text
+
+
+def _caught_before_destroy(pos: Position) -> str:
+    """' Its destroy_process_group is in the finally of a try whose 'except Exception:' at
+    train.py:20 re-raises nothing: ...' ('' when the destroy is not in such a finally)."""
+    caught = swallowing_finally(*pos.destroyed_site) if pos.destroyed_site else None
+    if caught is None:
+        return ""
+    return (f" Its destroy_process_group is in the finally of a try whose '{caught[1]}' at "
+            f"{Path(pos.destroyed_site[0]).name}:{caught[0]} {SWALLOWED_END}: an error raised in that try "
+            f"on rank {pos.rank} leaves it there, and the rank ends as if its work were done (exit 0); "
+            "its log has the error.")
 
 
 def missing_summary(missing: list[int], positions: dict[int, Position]) -> str:
