@@ -374,19 +374,20 @@ def test_accelerates_own_data_loop_script_hangs_where_it_does(tmp_path):
                              stderr=subprocess.DEVNULL)
     try:
         deadline, found = time.monotonic() + 240, None
-        while time.monotonic() < deadline and agent.poll() is None:  # until rank 1 waits there
-            try:
+        hang = f"{script.name}:{barrier}"  # not an earlier wait_for_everyone() of the script's (under
+        while time.monotonic() < deadline and agent.poll() is None:  # load one was caught with rank 0
+            try:  # still in its prepare())
                 [found] = doctor.attach(str(agent.pid))
             except (doctor.AttachError, ValueError):
                 found = None  # ranks not started yet
-            if found and found.diagnosis.per_rank[1].op == "barrier":
+            if found and found.diagnosis.per_rank[1].location == hang:
                 break
             time.sleep(0.5)
-        assert found is not None and found.diagnosis.per_rank[1].op == "barrier", "never reached the hang"
+        assert found is not None and found.diagnosis.per_rank[1].location == hang, "never reached the hang"
         diagnosis = found.diagnosis
+        assert found.diagnosis.per_rank[1].op == "barrier"
         assert (diagnosis.kind, diagnosis.ranks) == ("rank-missing", [0]), diagnosis.text()
         assert diagnosis.per_rank[0].location == f"{script.name}:{forward}"
-        assert diagnosis.per_rank[1].location == f"{script.name}:{barrier}"
     finally:
         procs.stop_tree(agent)
 
