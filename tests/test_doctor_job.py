@@ -213,7 +213,7 @@ def test_a_rank_whose_import_fails_while_the_leader_waits_to_look_again_is_named
     data = _json(outcome, world=2)
     assert (data["verdict"], data["kind"], data["ranks"]) == ("crash", "rank-exited", [1]), data
     assert data["per_rank"][1]["location"] == _line("fails", "lazy_module.py"), data
-    assert data["detected_after_s"] < 1.2, data  # held, it waits out the look: 1.2 s or more
+    assert data["detected_after_s"] < 1.5, data  # held, it waits out the look: 1.8 s or more
     assert any("looked again" in note for note in data["notes"]), data["notes"]
     leftovers.check()
 

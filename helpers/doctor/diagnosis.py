@@ -167,10 +167,18 @@ def diagnose(views: dict[int, RankView], num_processes: int, reason: str,
                  for rank in range(num_processes)}
     histories = {rank: history(view) for rank, view in views.items()}
     kind, culprits, summary, *cures = _classify(positions, histories, views)  # a cure the evidence tells
+    if kind == "ok" and reason == "finished":  # though a collective raised on a rank that caught it
+        caught = _caught_failures(views)
+        left = _left_before(caught, views)
+        if left:
+            kind, culprits = "rank-exited", left
+            summary = wording.caught_failure_summary(caught, left, positions)
     if wording.SWALLOWED in summary:  # a collective in a try whose except swallows a rank's error
         cures = [wording.SWALLOW_CURE, *cures]
-    if wording.SWALLOWED_END in summary:  # a rank that caught its error and ended through a finally
-        cures = [wording.SWALLOWED_END_CURE, *cures]
+    if wording.SWALLOWED_END in summary:  # a rank that may have caught its error, ended through a finally
+        # after the loop's own cures when a loop that ran out first explains the end as well
+        ran_out = wording.LOOP_RAN_OUT in summary
+        cures = [*cures, wording.SWALLOWED_END_CURE] if ran_out else [wording.SWALLOWED_END_CURE, *cures]
     sizes = _batch_sizes(views)
     if kind != "ok" and len(set(sizes.values())) > 1:  # find_executable_batch_size retried on some alone
         culprits = sorted(rank for rank, size in sizes.items() if size < max(sizes.values()))
@@ -888,11 +896,6 @@ def _classify(positions: dict[int, Position], histories: dict[int, dict], views:
             return "rank-missing", unborn, wording.unborn_ranks_summary(unborn, positions), wording.WORLD_CURE
         return "unknown", [], wording.all_in_init_summary(positions), wording.INIT_CONNECT_CURE
     if all(p.state == "finished" for p in positions.values()):
-        caught = _caught_failures(views)
-        if caught:
-            left = _left_before(caught, views)
-            summary = wording.caught_failure_summary(caught, left, positions)
-            return "rank-exited", left or sorted(caught), summary
         count = max((len(h) for h in histories.values()), default=0)
         return "ok", [], (f"All {len(positions)} ranks finished; their collectives matched "
                           f"({count} compared per rank).")
@@ -911,13 +914,21 @@ def _caught_failures(views: dict[int, RankView]) -> dict[int, Op]:
 
 
 def _left_before(caught: dict[int, Op], views: dict[int, RankView]) -> list[int]:
-    """The ranks that never issued the first collective that failed (by its group and number):
-    they had left, their group destroyed or their process ended, when the others called it."""
-    op = min(caught.values(), key=lambda each: each.seq if each.seq is not None else 1 << 30)
+    """The ranks that never came to the earliest collective that failed (by its group and number):
+    members of its group (where known) whose calls on that group stopped below its number. They had
+    left, their group destroyed or their process ended, when the others called it."""
+    if not caught:
+        return []
+    op = min(caught.values(), key=lambda each: each.start or 0.0)
     if op.seq is None:
         return []
-    return sorted(rank for rank, view in views.items() if rank not in caught
-                  and (op.pg, op.seq) not in python_history(view))
+    left = []
+    for rank, view in views.items():
+        numbers = [seq for pg, seq in python_history(view) if pg == op.pg]
+        member = not op.pg_ranks or rank in op.pg_ranks
+        if rank not in caught and member and max(numbers, default=0) < op.seq:
+            left.append(rank)
+    return sorted(left)
 
 
 def _aborted_kind(culprits: list[int], dead: int, others: list[int], positions: dict[int, Position],

@@ -55,18 +55,24 @@ class ImportWatch:
         """Whether to look at the stall again ``stall_s`` later (a rank outside any collective in
         ``diagnosis`` is importing, its stack new: the import has moved on since the earlier
         looks), and a note for the diagnosis (None: no rank was importing)."""
-        moving, still = [], []
+        moving, still, capped = [], [], []
         for entry in diagnosis.per_rank:
             stack = stacks.get(entry.rank) or []
             if entry.state != "outside-collective" or not importing(stack):
+                self.seen.pop(entry.rank, None)  # its import ended: a later one starts afresh
+                self.looks.pop(entry.rank, None)
+                continue
+            if entry.rank not in diagnosis.ranks:  # the diagnosis does not hinge on it
                 continue
             key = tuple((frame.get("file"), frame.get("line")) for frame in stack)
             seen = self.seen.setdefault(entry.rank, set())
-            if key not in seen and self.looks.get(entry.rank, 0) < IMPORT_LOOKS:
+            if key in seen:
+                still.append(entry.rank)
+            elif self.looks.get(entry.rank, 0) >= IMPORT_LOOKS:
+                capped.append(entry.rank)
+            else:
                 moving.append(entry.rank)
                 self.looks[entry.rank] = self.looks.get(entry.rank, 0) + 1
-            else:
-                still.append(entry.rank)
             seen.add(key)
         if moving:
             return True, (f"no progress for {diagnosis.detected_after_s or 0.0:.1f} s while "
@@ -78,6 +84,9 @@ class ImportWatch:
                            "since the doctor's last look: an import that waits (for the import lock another "
                            "thread holds, a file, the network, another rank) or a loop at a module's top "
                            "level")
+        if capped:
+            return False, (f"{_ranks_at(capped, stacks)} importing a module, still moving after the "
+                           f"doctor had looked again {IMPORT_LOOKS} times: named now")
         return False, None
 
 

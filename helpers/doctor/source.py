@@ -188,11 +188,17 @@ def _from_rank(node: ast.AST, names: set[str]) -> bool:
     return False
 
 
+# the launchers' variables of a rank's place (torchrun's, accelerate's, Slurm's, Open MPI's)
+_RANK_VARIABLES = {"RANK", "LOCAL_RANK", "GROUP_RANK", "NODE_RANK", "ROLE_RANK", "SLURM_PROCID",
+                   "SLURM_LOCALID", "SLURM_NODEID", "OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_LOCAL_RANK"}
+
+
 def _env_rank(node: ast.Call, func: str) -> bool:
-    """``os.environ.get("LOCAL_RANK", "0")``, ``os.getenv("RANK")``: the launcher's rank variable."""
+    """``os.environ.get("LOCAL_RANK", "0")``, ``os.getenv("RANK")``: a launcher's rank variable
+    (not a setting that merely ends in RANK: LORA_RANK)."""
     first = node.args[0] if node.args else None
     return (func.endswith(("environ.get", "getenv")) and isinstance(first, ast.Constant)
-            and isinstance(first.value, str) and bool(_RANK_TEST.search(first.value)))
+            and first.value in _RANK_VARIABLES)
 
 
 def _assignments(node: ast.AST, scope: Scope):

@@ -86,6 +86,7 @@ DATALOADER_CURE = (
 # errors whose cause is known, by the first sentence a culprit raised (or what it waits for): what to do
 # first. Each message is torch's own (2.13): DDP's reducer (reducer.cpp), the DataLoader
 # (torch/utils/data/dataloader.py) and the caching allocator (CUDACachingAllocator.cpp).
+_PICKLING = re.compile(r"[Cc]an't pickle|cannot pickle")  # pickle's AttributeError, TypeError, PicklingError
 KNOWN_ERRORS = [
     (re.compile(r"Expected to mark a variable ready only once"),
      "DDP marked a parameter's gradient ready twice in one step on that rank: most often its previous "
@@ -150,7 +151,7 @@ KNOWN_ERRORS = [
      "makes it fail instead of asking), a slow network copy, or a lock. A command every rank needs "
      "runs best once before the launch, or on the main process inside with "
      "accelerator.main_process_first()."),
-    (re.compile(r"[Cc]an't pickle|cannot pickle"),  # pickle's AttributeError, TypeError, PicklingError
+    (_PICKLING,  # only for a rank that raised it in an object collective (a DataLoader's spawn says it too)
      "An object collective (all_gather_object, gather_object, broadcast_object_list, accelerate's "
      "gather_object) pickles the object on each rank before it sends anything, and torch requires it "
      "to be picklable (their docstrings): one that is not (a lambda or a function defined inside "
@@ -305,7 +306,9 @@ def fix(kind: str, culprits: list[Position], cures: list[str] | None = None) -> 
     for crossed sends or recvs, the only collective-mismatch whose culprits wait in p2p ops), and
     after ``cures`` the evidence told (split sizes that do not pair up)."""
     known = [*(cures or []), *(cure for pattern, cure in KNOWN_ERRORS
-                               if any(pattern.search(pos.detail or "") for pos in culprits))]
+                               if any(pattern.search(pos.detail or "") and (pattern is not _PICKLING
+                                                                            or is_object_op(pos.op))
+                                      for pos in culprits))]
     crossed = culprits and all(pos.op is not None and pos.op.p2p for pos in culprits)
     if kind == "collective-mismatch" and crossed:
         known.append(CROSSED_P2P_CURE)
@@ -323,6 +326,11 @@ IN_PLACE_CURE = (
     "hold one of the same shape and dtype: find where the ranks' tensors came to differ (a model changed "
     "on one rank alone, as resize_token_embeddings under 'if accelerator.is_main_process:', is changed on "
     "every rank, before accelerator.prepare), or send data whose shape differs with broadcast_object_list.")
+
+
+def is_object_op(op: Op | None) -> bool:
+    """Is it an object collective (all_gather_object, broadcast_object_list ...), which pickles?"""
+    return op is not None and canonical_op(op.op).endswith(("_object", "_object_list"))
 
 
 def is_object_list(op: Op | None) -> bool:
@@ -1401,7 +1409,7 @@ def caught_failure_summary(caught: dict[int, Op], left: list[int], positions: di
     text = (f"Every rank finished, but {'; '.join(parts)}, and the script caught the error and went on "
             "(exit 0): the job's result is incomplete.")
     if left:
-        first = min(caught.values(), key=lambda each: each.seq if each.seq is not None else 1 << 30)
+        first = min(caught.values(), key=lambda each: each.start or 0.0)
         they = "it" if len(left) == 1 else "they"
         text += (f" {ranks_text(left)} never issued collective #{first.seq}: {they} had left"
                  f"{_destroyed_text(positions[left[0]]) if len(left) == 1 else ''}.")
@@ -1416,9 +1424,9 @@ def _caught_before_destroy(pos: Position) -> str:
     if caught is None:
         return ""
     return (f" Its destroy_process_group is in the finally of a try whose '{caught[1]}' at "
-            f"{Path(pos.destroyed_site[0]).name}:{caught[0]} {SWALLOWED_END}: an error raised in that try "
-            f"on rank {pos.rank} leaves it there, and the rank ends as if its work were done (exit 0); "
-            "its log has the error.")
+            f"{Path(pos.destroyed_site[0]).name}:{caught[0]} {SWALLOWED_END}: had an error been raised in "
+            f"that try on rank {pos.rank}, it would have left there the same way, ending as if its work "
+            "were done (exit 0), with the error in its log alone.")
 
 
 def missing_summary(missing: list[int], positions: dict[int, Position]) -> str:
