@@ -169,10 +169,11 @@ def diagnose(views: dict[int, RankView], num_processes: int, reason: str,
     kind, culprits, summary, *cures = _classify(positions, histories, views)  # a cure the evidence tells
     if kind == "ok" and reason == "finished":  # though a collective raised on a rank that caught it
         caught = _caught_failures(views)
-        left = _left_before(caught, views)
+        first = min(caught.values(), key=lambda each: each.start or 0.0) if caught else None
+        left = _left_before(first, caught, views) if first is not None else []
         if left:
             kind, culprits = "rank-exited", left
-            summary = wording.caught_failure_summary(caught, left, positions)
+            summary = wording.caught_failure_summary(caught, first, left, positions)
     if wording.SWALLOWED in summary:  # a collective in a try whose except swallows a rank's error
         cures = [wording.SWALLOW_CURE, *cures]
     if wording.SWALLOWED_END in summary:  # a rank that may have caught its error, ended through a finally
@@ -913,13 +914,11 @@ def _caught_failures(views: dict[int, RankView]) -> dict[int, Op]:
     return found
 
 
-def _left_before(caught: dict[int, Op], views: dict[int, RankView]) -> list[int]:
-    """The ranks that never came to the earliest collective that failed (by its group and number):
-    members of its group (where known) whose calls on that group stopped below its number. They had
-    left, their group destroyed or their process ended, when the others called it."""
-    if not caught:
-        return []
-    op = min(caught.values(), key=lambda each: each.start or 0.0)
+def _left_before(op: Op, caught: dict[int, Op], views: dict[int, RankView]) -> list[int]:
+    """The ranks that never came to ``op``, the earliest collective that failed (by its group and
+    number): members of its group (where known), not among the ranks it failed on (``caught``), whose
+    calls on that group stopped below its number. They had left, their group destroyed or their
+    process ended, when the others called it."""
     if op.seq is None:
         return []
     left = []

@@ -1394,22 +1394,21 @@ def _destroyed_text(pos: Position) -> str:
     if not pos.destroyed_at:
         return ""
     under = _under_condition(*pos.destroyed_site) if pos.destroyed_site else ""
-    text = (f", after it destroyed the default process group at {pos.destroyed_at} (destroy_process_group"
+    return (f", after it destroyed the default process group at {pos.destroyed_at} (destroy_process_group"
             f"{f', {under}' if under else ''})")
-    return text
 
 
-def caught_failure_summary(caught: dict[int, Op], left: list[int], positions: dict[int, Position]) -> str:
+def caught_failure_summary(caught: dict[int, Op], first: Op, left: list[int],
+                           positions: dict[int, Position]) -> str:
     """'Every rank finished, but rank 0's all_reduce at train.py:12 (collective #2) raised
     RuntimeError: Connection closed by peer ..., and the script went on: rank 1 never issued
-    collective #2 (it had left, after it destroyed ...).'"""
+    collective #2 (it had left, after it destroyed ...).' ``first``: the earliest of the failed calls."""
     parts = [f"rank {rank}'s {_op_name(op)}{f' at {op.where}' if op.where else ''}"
              f"{f' (collective #{op.seq})' if op.seq is not None else ''} raised "
              f"{short_error(op.error).rstrip('.')}" for rank, op in sorted(caught.items())]
     text = (f"Every rank finished, but {'; '.join(parts)}, and the script caught the error and went on "
             "(exit 0): the job's result is incomplete.")
     if left:
-        first = min(caught.values(), key=lambda each: each.start or 0.0)
         they = "it" if len(left) == 1 else "they"
         text += (f" {ranks_text(left)} never issued collective #{first.seq}: {they} had left"
                  f"{_destroyed_text(positions[left[0]]) if len(left) == 1 else ''}.")
