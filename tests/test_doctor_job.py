@@ -121,8 +121,13 @@ def test_a_rank_that_ends_cleanly_before_init_process_group_is_named_at_once(scr
 
 
 def test_a_rank_whose_dataloader_worker_is_stuck_names_the_workers_line(script, tmp_path, leftovers):
-    # the rank's own watchdog reads its DataLoader worker with py-spy as it answers the leader
-    outcome = _run(script, tmp_path, "loader")
+    # the rank's own watchdog reads its DataLoader worker with py-spy as it answers the leader; the
+    # worker sent a batch first, through a socket in a multiprocessing temp folder ("pymp-*") that
+    # is gone with the job, though the worker is stopped by SIGTERM, which runs no exit handler
+    temp = tmp_path / "temp"
+    temp.mkdir()
+    outcome = _run(script, tmp_path, "loader", TMPDIR=str(temp))
+    assert not list(temp.glob("pymp-*")), sorted(temp.iterdir())
     data = _json(outcome)
     assert (data["kind"], data["ranks"]) == ("rank-missing", [3]), data
     assert f"rank 3 is waiting for a batch from its DataLoader's worker processes at {_line('loader')} " \

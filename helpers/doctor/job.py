@@ -37,6 +37,7 @@ import atexit
 import faulthandler
 import os
 import re
+import shutil
 import signal
 import socket
 import sys
@@ -141,6 +142,7 @@ def run_rank(job: JobEnv, options: JobOptions, command: list[str]) -> NoReturn:
         reader = os.open(rundir.trace_path(options.keep_dir, job.rank), os.O_RDONLY)
     watchdog = Watchdog(job, options, reader, parent, tracer, command)
     watchdog.start()
+    _share_temp_folder()
     os._exit = watchdog.script_exits  # type: ignore[assignment] - a script's own os._exit says so first
     code, error, exit_call = run_as_main(command)
     watchdog.ended(_exit_record(code, error, exit_call))  # before the traceback: SIGTERM may come meanwhile
@@ -187,6 +189,32 @@ def _exit_record(code: int, error: BaseException | None,
     return record
 
 
+_TEMP_FOLDER: list[tuple[int, str]] = []  # (this rank's pid, its multiprocessing folder)
+
+
+def _share_temp_folder() -> None:
+    """Make this rank's multiprocessing folder (``pymp-*``, where its sockets go) now, before the
+    script starts a process: the processes it starts (DataLoader workers, forked or spawned) take
+    it over instead of making their own. Each makes its own otherwise, on the first tensor it sends,
+    and only its exit handlers remove it, which a worker stopped by SIGTERM never runs: a job the
+    doctor stopped left one folder per worker. This rank removes it as it leaves, whoever stops it
+    (``_remove_temp_folder``); only a rank killed by SIGKILL leaves it, empty unless its workers
+    still run."""
+    import multiprocessing.util
+
+    try:
+        _TEMP_FOLDER.append((os.getpid(), multiprocessing.util.get_temp_dir()))
+    except OSError:  # no writable temp folder: the script will say so itself if it needs one
+        pass
+
+
+def _remove_temp_folder() -> None:
+    """Remove this rank's multiprocessing folder (``_share_temp_folder``), once its children are gone."""
+    for owner, folder in _TEMP_FOLDER:
+        if owner == os.getpid():
+            shutil.rmtree(folder, ignore_errors=True)
+
+
 def _end_now(code: int) -> NoReturn:
     """End at once: SIGTERM came while this thread was itself ending the process, waiting for the
     script's threads or running its exit handlers (an upload at exit that hangs). The handler runs
@@ -195,6 +223,7 @@ def _end_now(code: int) -> NoReturn:
     trace.settle()
     sys.stdout.flush()
     sys.stderr.flush()
+    _remove_temp_folder()
     _EXIT(code)
 
 
@@ -344,6 +373,7 @@ class Watchdog(threading.Thread):
                     self.exit_mono = time.monotonic()
             self.exit_posted.wait(2 * TICK_S + 1)
         trace.settle()
+        _remove_temp_folder()
         _EXIT(code)
 
     def _on_sigterm(self, signum: int, frame: Any) -> None:  # the main thread, when it can
