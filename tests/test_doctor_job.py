@@ -223,6 +223,30 @@ def test_a_rank_whose_import_fails_while_the_leader_waits_to_look_again_is_named
     leftovers.check()
 
 
+def test_a_rank_that_starts_late_is_waited_for_and_the_job_ends_well(tmp_path, leftovers):
+    # rank 1, alone on the second node, takes 5 s before Python runs anything (a sitecustomize that
+    # sleeps: a slow shared file system), while rank 0 waits in init_process_group: its doctor has
+    # not reported, so the leader looks again each stall_s rather than name it as ended
+    slow = tmp_path / "slow"
+    slow.mkdir()
+    (slow / "sitecustomize.py").write_text(
+        "import os, time\nif os.environ.get('RANK') == '1':\n    time.sleep(5.0)\n")
+    script = tmp_path / "train.py"
+    script.write_text("import torch, torch.distributed as dist\n"
+                      "dist.init_process_group('gloo')\n"
+                      "dist.all_reduce(torch.ones(2))\n"
+                      "dist.destroy_process_group()\n")
+    path = os.pathsep.join([str(slow), procs.python_env()["PYTHONPATH"]])
+    outcome = runs.run_job([str(script)], tmp_path / "job", nodes=2, per_node=1, stall_s=2.0,
+                           timeout_s=TIMEOUT_S, env={"PYTHONPATH": path})
+    assert outcome.agent_codes == [0, 0], outcome.outputs[0][-3000:]
+    assert "rank 1 had not reported yet" in outcome.outputs[0], outcome.outputs[0][-3000:]
+    data = _json(outcome, world=2)
+    assert data["verdict"] == "ok", data
+    assert any("rank 1 had not reported yet" in note for note in data["notes"]), data["notes"]
+    leftovers.check()
+
+
 def test_ranks_that_each_ran_alone_are_told_so_once_per_node(tmp_path, leftovers):
     # without a GPU, a plain Accelerator() under torchrun makes a process group of the world and then
     # runs each rank as the only process; a script that never joins a group runs alone too
@@ -319,6 +343,46 @@ def test_a_posted_call_the_other_ranks_completed_does_not_hold_its_rank_in_it():
     found = leader.diagnose_answers(4, "stall", 5.0, answers, beats, "here", {}, posted)
     assert (found.kind, found.ranks) == ("rank-missing", [3]), found.summary
     assert (found.per_rank[3].state, found.per_rank[3].op) == ("outside-collective", None), found.per_rank[3]
+
+
+def test_a_rank_never_heard_from_is_placed_as_starting_and_looked_at_again_not_named_as_ended():
+    # CI under load, notebook 05's 3-node job at stall_s 3: rank 1 was still importing torch (its
+    # doctor not yet on the board) while ranks 0 and 2 waited in init_process_group; it was named
+    # "ended, nothing of it seen" and the job was stopped, though it would have joined
+    from helpers.doctor import loading
+
+    init = _op_record(0, 0, "init_process_group", 3, done=False)
+    answers = {rank: {"recs": [init], "stack": [], "progress": {}, "fr": []} for rank in (0, 2)}
+    beats = {rank: Seen({"n": 5, "machine": "here", "pid": os.getpid()}) for rank in (0, 2)}
+    found = leader.diagnose_answers(3, "stall", 3.5, answers, beats, "here", {}, {})
+    assert (found.kind, found.ranks) == ("rank-missing", [1]), found.summary
+    assert (found.per_rank[1].state, found.per_rank[1].exit_code) == ("outside-collective", None)
+    assert f"rank 1 is {wording.UNHEARD}" in found.summary, found.summary
+    watch = loading.ImportWatch()
+    looks = [watch.look(found, {}, 3.0, frozenset({1})) for _ in range(loading.IMPORT_LOOKS + 1)]
+    assert [again for again, _note in looks] == [True] * loading.IMPORT_LOOKS + [False]
+    assert looks[0][1].startswith("no progress for 3.5 s while rank 1 had not reported yet"), looks[0]
+    assert "had still not reported after the doctor had looked again" in looks[-1][1], looks[-1]
+    # a rank heard from is not held for: the diagnosis stands
+    assert loading.ImportWatch().look(found, {}, 3.0, frozenset()) == (False, None)
+
+
+def test_a_stall_whose_collective_every_rank_left_as_the_stacks_came_is_not_named():
+    # CI under load, notebook 05's job: rank 0 waited in init_process_group past stall_s while the
+    # others started; when their stacks came, every rank had left it and was importing torch._dynamo
+    # (the first optimizer): "hang (unknown)", and the job was stopped
+    from helpers.doctor import loading
+
+    init = {**_op_record(0, 0, "init_process_group", 3, done=False), "te": 10.2, "ok": True}
+    site = [{"file": "/job/train.py", "line": 9, "func": "main", "user": True, "where": "train.py:9"}]
+    answers = {rank: {"recs": [init], "stack": site, "progress": {"0": [0, 0]}, "fr": []}
+               for rank in range(3)}
+    beats = {rank: Seen({"n": 5, "machine": "here", "pid": os.getpid()}) for rank in range(3)}
+    found = leader.diagnose_answers(3, "stall", 3.4, answers, beats, "here", {}, {})
+    assert found.kind == "unknown" and loading.stall_ended(found), found.summary
+    answers[2]["recs"] = [init, _op_record(1, 1, line=10, done=False)]  # one still waits: a hang to name
+    found = leader.diagnose_answers(3, "stall", 3.4, answers, beats, "here", {}, {})
+    assert not loading.stall_ended(found), found.summary
 
 
 GLOO_PEER_GONE = ("RuntimeError: [/__w/pytorch/pytorch/third_party/gloo/gloo/transport/tcp/pair.cc:537] Read "

@@ -740,6 +740,8 @@ def _current(view: RankView) -> Position:
     if frame:
         pos.where, pos.file, pos.line = frame["where"], frame["file"], frame["line"]
         pos.detail = wording.activity(view.rank, frame, stack, view.silent, view.workers)
+    elif view.unheard:
+        pos.detail = wording.UNHEARD
     return pos
 
 

@@ -64,7 +64,7 @@ from helpers.doctor.leader import (
     should_diagnose,
     still_runs,
 )
-from helpers.doctor.loading import ImportWatch
+from helpers.doctor.loading import ImportWatch, stall_ended, stall_ended_note
 from helpers.doctor.records import RankView, fold
 
 TICK_S = 0.25  # how often a watchdog posts its heartbeat and reads the leader's keys
@@ -711,9 +711,14 @@ class Watchdog(threading.Thread):
         if diagnosis.kind == "ok" and reason != "finished":  # heartbeats a tick old (a rank shown still in
             self.hold_until = time.monotonic() + HOLD_S  # init after it left it): a healthy job is left
             return  # alone; the claim stays this rank's, and the next look reads fresh heartbeats
+        if reason == "stall" and stall_ended(diagnosis):  # its collective completed as the stacks came
+            self.looked_again.append(stall_ended_note(diagnosis.detected_after_s))
+            self.hold_until = time.monotonic() + HOLD_S
+            return
         if reason == "stall":  # a rank importing a module: late, not stuck, while its import moves on
             answered = {rank: answer.get("stack") or [] for rank, answer in answers.items()}
-            again, note = self.imports.look(diagnosis, {**answered, **stacks}, self.options.stall_s)
+            unheard = frozenset(range(self.job.world)) - set(beats) - set(answers)
+            again, note = self.imports.look(diagnosis, {**answered, **stacks}, self.options.stall_s, unheard)
             self.looked_again.extend([note] if note else [])
             if again:
                 print(f"doctor: {note}", file=sys.stderr)

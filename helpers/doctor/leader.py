@@ -107,7 +107,8 @@ def diagnose_answers(world: int, reason: str, since_s: float, answers: dict[int,
                first_calls: dict[int, dict[str, Any]] | None = None) -> Diagnosis:
     """Views from the answers (or the last heartbeat of a rank that did not answer, with its stack
     from py-spy when ``stacks`` has it, and its latest first call from ``first_calls`` when that is
-    newer than the heartbeat: a rank gloo aborted on a size mismatch posted it just before), diagnosed."""
+    newer than the heartbeat: a rank gloo aborted on a size mismatch posted it just before), diagnosed.
+    A rank with neither is placed as not heard from yet (``RankView.unheard``), not as ended."""
     views, notes, silent_ends = {}, [], []
     vanished = {r for seen in beats.values() for r in (seen.beat.get("exit") or {}).get("gone") or []}
     for rank in range(world):
@@ -137,6 +138,8 @@ def diagnose_answers(world: int, reason: str, since_s: float, answers: dict[int,
                              f"the GIL, or a machine that stopped); where it was is from its heartbeat "
                              f"{seen.age():.1f} s old")
             views[rank] = view
+        else:  # it never posted a heartbeat: not known to have ended (``diagnose`` would take it so)
+            views[rank] = RankView(rank, unheard=True)
     diagnosis = diagnose(views, world, reason, round(since_s, 3))
     diagnosis.notes.extend(notes + [_silent_end_note(rank, diagnosis.kind) for rank in silent_ends])
     return diagnosis

@@ -11,7 +11,14 @@ So a stall is looked at again ``stall_s`` later when a live rank outside any col
 importlib's frames on its main thread's stack and that stack is one the doctor has not seen on it
 before (the import moves on), ``IMPORT_LOOKS`` times at most per rank. An import that does not move
 (a deadlock on the import lock, a module that waits on a network as it is imported, a loop at a
-module's top level: its stacks come round again) is diagnosed as any stall, one look later.
+module's top level: its stacks come round again) is diagnosed as any stall, one look later. In a job,
+a rank whose doctor has not reported at all is still importing torch or the script's modules (or
+never started): it is looked at again as well, ``IMPORT_LOOKS`` times at most, as nothing of it can
+show that it moves.
+
+A stall whose evidence, once gathered, shows no rank in a collective any more (``stall_ended``) ended
+as it was looked at: the collective that started it completed (a slow ``init_process_group`` while
+the ranks start, beside other jobs), and nothing is named.
 """
 
 from __future__ import annotations
@@ -20,9 +27,24 @@ from pathlib import Path
 from typing import Any
 
 from helpers.doctor.diagnosis import Diagnosis
+from helpers.doctor.wording import ranks_text
 
 IMPORT_FILES = ("<frozen importlib._bootstrap>", "<frozen importlib._bootstrap_external>")
 IMPORT_LOOKS = 10  # looks again per rank, at most: an import whose stacks never repeat is named too
+
+
+def stall_ended(diagnosis: Diagnosis) -> bool:
+    """Did the stall end while its evidence was gathered? No rank waits in a collective any more, and
+    none ended: no known pattern, every rank outside any collective."""
+    return diagnosis.kind == "unknown" and bool(diagnosis.per_rank) and \
+        all(entry.state == "outside-collective" for entry in diagnosis.per_rank)
+
+
+def stall_ended_note(since_s: float | None) -> str:
+    """The note a diagnosis made later keeps of a stall that ended as it was looked at."""
+    return (f"progress stopped for {since_s or 0.0:.1f} s while a rank waited in a collective, which "
+            "then completed while the ranks' stacks were gathered: no rank was waiting any more, nothing "
+            "was named")
 
 
 def importing(stack: list[dict[str, Any]]) -> bool:
@@ -50,11 +72,15 @@ class ImportWatch:
         self.seen: dict[int, set[tuple]] = {}
         self.looks: dict[int, int] = {}
 
-    def look(self, diagnosis: Diagnosis, stacks: dict[int, list[dict[str, Any]]],
-             stall_s: float) -> tuple[bool, str | None]:
+    def look(self, diagnosis: Diagnosis, stacks: dict[int, list[dict[str, Any]]], stall_s: float,
+             unheard: frozenset[int] = frozenset()) -> tuple[bool, str | None]:
         """Whether to look at the stall again ``stall_s`` later (a rank outside any collective in
         ``diagnosis`` is importing, its stack new: the import has moved on since the earlier
-        looks), and a note for the diagnosis (None: no rank was importing)."""
+        looks; or a culprit is among the ``unheard``, a job's ranks not heard from yet), and a note
+        for the diagnosis (None: no rank was importing or unheard)."""
+        starting = self._starting(diagnosis, unheard, stall_s)
+        if starting is not None:
+            return starting
         moving, still, capped = [], [], []
         for entry in diagnosis.per_rank:
             stack = stacks.get(entry.rank) or []
@@ -88,6 +114,23 @@ class ImportWatch:
             return False, (f"{_ranks_at(capped, stacks)} importing a module, still moving after the "
                            f"doctor had looked again {IMPORT_LOOKS} times: named now")
         return False, None
+
+    def _starting(self, diagnosis: Diagnosis, unheard: frozenset[int],
+                  stall_s: float) -> tuple[bool, str] | None:
+        """The look again for culprits not heard from yet; None when there is none."""
+        culprits = [rank for rank in diagnosis.ranks if rank in unheard]
+        if not culprits:
+            return None
+        who = ranks_text(culprits)
+        if all(self.looks.get(rank, 0) >= IMPORT_LOOKS for rank in culprits):
+            return False, (f"{who} had still not reported after the doctor had looked again {IMPORT_LOOKS} "
+                           "times: named now")
+        for rank in culprits:
+            self.looks[rank] = self.looks.get(rank, 0) + 1
+        since = diagnosis.detected_after_s or 0.0
+        return True, (f"no progress for {since:.1f} s while {who[0].lower()}{who[1:]} had not reported yet"
+                      " (still starting: importing torch and the script's modules), so "
+                      f"the doctor looked again {stall_s:g} s later (at most {IMPORT_LOOKS} times a rank)")
 
 
 def _ranks_at(ranks: list[int], stacks: dict[int, list[dict[str, Any]]]) -> str:

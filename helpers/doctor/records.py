@@ -118,6 +118,7 @@ class RankView:
     destroyed: dict[str, Any] | None = None  # its destroy_process_group's record (where it was called)
     completed: dict[str, int] = field(default_factory=dict)  # per group, the highest number seen to end
     posted: int | None = None  # the id of a call known from its start alone, posted before it ran (job)
+    unheard: bool = False  # a job's rank that never posted a heartbeat: still starting, or never started
 
     def apply(self, event: dict[str, Any]) -> None:
         """Fold one trace record into the view."""

@@ -21,7 +21,7 @@ from typing import Any
 from helpers import params, report, rundir, trace
 from helpers.collectives import INIT_OP
 from helpers.doctor.diagnosis import Diagnosis, diagnose, main_stack
-from helpers.doctor.loading import ImportWatch
+from helpers.doctor.loading import ImportWatch, stall_ended, stall_ended_note
 from helpers.doctor.records import RankView, read_new_records, read_text
 from helpers.launch import LaunchError, LaunchTimeout, RankError, RankExited, Run, Watcher, rank_failure
 
@@ -243,6 +243,9 @@ class Doctor(Watcher):
         if diagnosis.kind == "ok":  # every rank finished meanwhile: a late rank, not a hang
             self.passed.append(f"progress stopped for {_since(since):.1f} s ({reason}), then every rank "
                                "went on and finished while their stacks were gathered")
+            return
+        if reason == "stall" and stall_ended(diagnosis):  # its collective completed as the stacks came
+            self.passed.append(stall_ended_note(_since(since)))
             return
         if reason == "stall":  # a rank importing a module: late, not stuck, while its import moves on
             stacks = {rank: main_stack(view) for rank, view in self.views.items()}

@@ -1428,6 +1428,11 @@ def _caught_before_destroy(pos: Position) -> str:
             "were done (exit 0), with the error in its log alone.")
 
 
+# a job's rank whose doctor never posted a heartbeat (the leader knows nothing else of it)
+UNHEARD = ("not heard from yet: its doctor never reported, so it is still starting (importing torch and "
+           "the script's modules) or its process never started")
+
+
 def missing_summary(missing: list[int], positions: dict[int, Position]) -> str:
     """Which ranks never reached the collective the others wait in, and where they are instead."""
     waiting = [p for p in positions.values() if p.state == "in-collective" or p.victim]
