@@ -87,12 +87,13 @@ def _pipeline_wired_wrong():
     import torch
     import torch.distributed as dist
 
-    rank, tensor = dist.get_rank(), torch.zeros(4)
+    # 16 MiB: a send that returns only once its peer receives it
+    rank, tensor, large = dist.get_rank(), torch.zeros(4), torch.zeros(4 * 1024 * 1024)
     if rank == 0:
-        dist.send(tensor + 1, dst=1)
+        dist.send(large, dst=1)  # line: chained send
     elif rank == 1:
-        dist.recv(tensor, src=0)
         dist.recv(tensor, src=2)  # line: recv
+        dist.recv(large, src=0)
     elif rank == 2:
         dist.send(tensor + 2, dst=3)  # to rank 3, not to rank 1
     else:
@@ -101,12 +102,16 @@ def _pipeline_wired_wrong():
 
 
 def test_a_recv_whose_peer_is_in_another_operation_names_the_peer(leftovers):
+    # and a send to the rank that waits in that recv is followed there: rank 0 waits for rank 1, which
+    # waits for rank 2 (unseen script: rank 0 collected counts with recv from each rank in turn)
     found = _hung_run(_pipeline_wired_wrong, num_processes=4)
-    assert (found.verdict, found.kind, found.ranks) == ("hang", "rank-missing", [2])
+    assert (found.verdict, found.kind, found.ranks) == ("hang", "rank-missing", [2]), found.summary
     assert found.per_rank[1].op == "recv" and found.per_rank[1].location == f"{HERE}:{_line('recv')}"
-    barrier = f"{HERE}:{_line('pipeline barrier')}"
-    assert found.summary.startswith(f"Rank 1 waits to receive from rank 2 (recv at {HERE}:{_line('recv')}), "
-                                    f"but rank 2 is in barrier at {barrier}, with no send to rank 1.")
+    barrier, recv = f"{HERE}:{_line('pipeline barrier')}", f"{HERE}:{_line('recv')}"
+    assert found.summary.startswith(f"Rank 1 waits to receive from rank 2 (recv at {recv}), but rank 2 is in "
+                                    f"barrier at {barrier}, with no send to rank 1. Rank 0 waits to send to "
+                                    f"rank 1 (send at {HERE}:{_line('chained send')}), but rank 1 waits for "
+                                    f"rank 2 itself, in its recv at {recv}. Every send"), found.summary
     leftovers.check()
 
 
@@ -1931,6 +1936,26 @@ def _asks_for_input():
     if dist.get_rank() == 1:
         input("Log this run? [y/N] ")  # line: input
     dist.all_reduce(torch.ones(2))
+
+
+def _lines_a_rank_may_wait_at(state, path):  # read by the test below, never run
+    with state.lock:  # line: with a lock
+        pass
+    with state._write_mutex:  # line: with a mutex
+        pass
+    with open(path) as locked:  # line: with a file
+        return locked
+
+
+def test_a_rank_stopped_on_the_with_line_of_a_lock_waits_to_acquire_it():
+    # unseen script: a prefetch thread held the lock while it waited on an empty queue, and the main
+    # thread stayed on its 'with self.lock:' (the lock's __enter__ is C: no frame below the line)
+    def waits(marker: str) -> str | None:
+        frame = {"file": __file__, "line": _line(marker), "where": f"{HERE}:{_line(marker)}"}
+        return wording.waiting_for(frame, [frame])
+
+    assert waits("with a lock") == waits("with a mutex") == "waiting to acquire a lock"
+    assert waits("with a file") is None
 
 
 def test_a_rank_waiting_outside_torch_is_said_to_wait_for_what_it_waits_for(leftovers):

@@ -874,7 +874,7 @@ def _classify(positions: dict[int, Position], histories: dict[int, dict], views:
                  if (found := _fewer_matches(positions[rank], peer, views)) is not None}
         summary = wording.p2p_summary(unanswered, positions, fewer)
         cures = [wording.LOOP_EXIT_CURE] if wording.LOOP_EXITS in summary else []
-        return "rank-missing", sorted(set(unanswered.values())), summary, *cures
+        return "rank-missing", _first_in_chains(unanswered), summary, *cures
     skipped = _skipped_group_collective(positions, histories)
     if skipped is not None:
         ranks, waiter, members, crossed = skipped
@@ -1550,6 +1550,20 @@ def _unanswered_p2p(positions: dict[int, Position]) -> dict[int, int]:
     """Ranks waiting in a send or recv whose peer waits in another operation, not in the matching
     recv or send to them: {waiting rank: its peer} (the peer is the rank that never arrives)."""
     return {pos.rank: peer.rank for pos, peer in _p2p_waits(positions) if not _facing(pos, peer)}
+
+
+def _first_in_chains(unanswered: dict[int, int]) -> list[int]:
+    """The ranks the waits lead to: a peer that itself waits for another is followed to the rank
+    that waits for nobody (rank 3 sends to rank 0, which waits to receive from rank 2, which never
+    sends: rank 2). In a cycle, its ranks."""
+    found = set()
+    for peer in unanswered.values():
+        passed = set()
+        while peer in unanswered and peer not in passed:
+            passed.add(peer)
+            peer = unanswered[peer]
+        found.add(peer)
+    return sorted(found)
 
 
 def _fewer_matches(waiting: Position, peer: int, views: dict[int, RankView]) -> wording.FewerMatches | None:

@@ -487,6 +487,10 @@ _WAITS = (
 )
 _WAITING_LINES = ((re.compile(r"\b(flock|lockf)\("), FILE_LOCK_WAIT),
                   (re.compile(r"\.acquire\("), "waiting to acquire a lock"),
+                  # 'with self.lock:', 'with state_mutex:': a with statement stays on its line while
+                  # its __enter__ runs (a threading lock's is C: no frame below)
+                  (re.compile(r"^\s*(async\s+)?with\s+[\w.]*(lock|mutex)\w*\s*:", re.IGNORECASE),
+                   "waiting to acquire a lock"),
                   (re.compile(r"\.(recv|recv_into|recvfrom|recvmsg|accept)\("), f"{NETWORK_WAIT} (a socket)"),
                   (re.compile(r"(^|[^\w.])input\("), STDIN_WAIT))
 
@@ -1611,19 +1615,23 @@ def p2p_summary(unanswered: dict[int, int], positions: dict[int, Position],
     """Ranks waiting in a send or recv whose peer is in another operation and posts no match;
     ``fewer``: for a waiting rank, what its peer's records tell of the matches it did post (how
     many, where, and what in the loop around them can skip one)."""
-    parts = []
-    for rank, peer in sorted(unanswered.items()):
+    parts = []  # the waits on a rank that waits for nobody first; those on a waiting rank after them
+    for rank, peer in sorted(unanswered.items(), key=lambda item: (item[1] in unanswered, item[0])):
         pos, other = positions[rank], positions[peer]
         if pos.op.batch:  # which of its sends and receives is still open is not known
             parts.append(f"Rank {rank} waits in its {_op_name(pos.op)}{_batch_text(pos.op)}{_at(pos)}, but "
                          f"rank {peer} is in {_op_name(other.op)}{_at(other)}, with no match for all of it")
             continue
         verb, match = ("receive from", "send to") if receives(pos.op) else ("send to", "recv from")
-        parts.append(f"Rank {rank} waits to {verb} rank {peer} ({_op_name(pos.op)}{_at(pos)}), but rank "
-                     f"{peer} is in {_op_name(other.op)}{_at(other)}, with no {match} rank {rank}")
+        text = f"Rank {rank} waits to {verb} rank {peer} ({_op_name(pos.op)}{_at(pos)}), but rank {peer} "
+        if peer in unanswered:  # it waits for another rank itself: the wait that holds this one is above
+            text += f"waits for rank {unanswered[peer]} itself, in its {_op_name(other.op)}{_at(other)}"
+        else:
+            text += f"is in {_op_name(other.op)}{_at(other)}, with no {match} rank {rank}"
+        parts.append(text)
     skips = "".join(_fewer_matches_text(rank, unanswered[rank], found)
                     for rank, found in sorted((fewer or {}).items()))
-    return "; ".join(parts) + ". Every send needs the matching recv on its peer, in the same order." + skips
+    return ". ".join(parts) + ". Every send needs the matching recv on its peer, in the same order." + skips
 
 
 def _fewer_matches_text(rank: int, peer: int, found: FewerMatches) -> str:
