@@ -3382,6 +3382,22 @@ def test_a_rank_that_caught_its_error_and_destroyed_the_group_in_a_finally_is_to
     leftovers.check()
 
 
+def test_a_loop_that_ran_out_first_on_a_rank_that_may_have_caught_its_error_says_both():
+    # unseen script (f8): rank 2's IndexError, caught by an 'except Exception:' that logs, left the
+    # loop early; the doctor sees the rank leave the loop, not why: a loop that ran out, or that error
+    from helpers.doctor.records import Op
+
+    waiting = diagnosis_module.Position(0, "in-collective", op=Op("all_reduce", seq=9), seq=9, where="t.py:9")
+    left = diagnosis_module.Position(1, "finished", seq=8)
+    positions = {0: waiting, 1: left}
+    plain = wording.loop_ran_longer("t.py:5", [1], positions)
+    assert plain == (" The loop at t.py:5 ran out first on rank 1: its last collective was #8 at t.py:9, "
+                     "the call the others still wait in as #9."), plain
+    caught = wording.loop_ran_longer("t.py:5", [1], positions, caught=True)
+    assert caught.startswith(" The loop at t.py:5 ran out first on rank 1, or an error raised in it was "
+                             "caught by that except: its last collective was #8"), caught
+
+
 def _caught_then_destroyed():
     import time
 

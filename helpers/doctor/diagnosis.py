@@ -860,7 +860,7 @@ def _classify(positions: dict[int, Position], histories: dict[int, dict], views:
         summary = wording.exited_summary(exited, positions)
         loop = _loop_ran_longer(exited, positions, histories)
         if loop is not None:
-            summary += wording.loop_ran_longer(loop, exited, positions)
+            summary += wording.loop_ran_longer(loop, exited, positions, wording.SWALLOWED_END in summary)
             return "rank-exited", exited, summary, *_loop_cures(summary)
         if any(positions[rank].exit_call for rank in exited):  # an early exit inside a loop
             return "rank-exited", exited, summary, wording.LOOP_EXIT_CURE

@@ -1248,9 +1248,12 @@ CONDITION_CURE = (
     "and take the branch on every rank when any rank would.")
 
 
-def loop_ran_longer(loop: str, finished: list[int], positions: dict[int, Position]) -> str:
+def loop_ran_longer(loop: str, finished: list[int], positions: dict[int, Position],
+                    caught: bool = False) -> str:
     """' The loop at gen.py:8 ran out first on rank 1: its last collective was #2 at gen.py:10, the
-    call the others still wait in as #3.'"""
+    call the others still wait in as #3.' ``caught``: the summary says the rank ended through a
+    finally after an except that swallows errors (``SWALLOWED_END``), which may have ended the loop
+    as well: said so."""
     last = positions[finished[0]]
     waiting = sorted({p.seq for p in positions.values() if p.rank not in finished and p.op and p.seq})
     numbers = " and ".join(f"#{seq}" for seq in waiting)
@@ -1260,7 +1263,8 @@ def loop_ran_longer(loop: str, finished: list[int], positions: dict[int, Positio
     exits = ""
     if waiting_at is not None and waiting_at.file and waiting_at.line and ":" in loop:
         exits = loop_exits_text(waiting_at.file, int(loop.rsplit(":", 1)[1]), waiting_at.line)
-    return (f" The loop at {loop} {LOOP_RAN_OUT} on {ranks_text(finished).lower()}: "
+    how = ", or an error raised in it was caught by that except" if caught else ""
+    return (f" The loop at {loop} {LOOP_RAN_OUT} on {ranks_text(finished).lower()}{how}: "
             f"{'its' if len(finished) == 1 else 'their'} last collective was #{last.seq} at {where}, "
             f"the call the others still wait in as {numbers}.{exits}")
 
