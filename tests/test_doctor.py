@@ -3065,11 +3065,12 @@ def _main_only_barrier():
 
 def test_a_value_each_rank_computes_is_read_in_names_made_of_parts_not_in_settings():
     for test in ("local_loss < 100", "val_loss_mean > best", "train_accuracy > 0.9", "f1_score > x",
-                 "loss.item() > 3"):
+                 "loss.item() > 3", "over.sum() > 0", "mask.any()", "not torch.isfinite(x).all()"):
         assert wording._per_rank_value(test), test
     for test in ("step % log_loss_every == 0", "step % eval_loss_steps == 0", "accelerator.is_main_process",
                  "glossary", "'loss' in logs", "scaler.loss_scale > 1024", "cfg.accuracy_threshold > 0",
-                 "step % grad_acc == 0", "use_loss_scaling", "loss_weight > 0", "score_fn is not None"):
+                 "step % grad_acc == 0", "use_loss_scaling", "loss_weight > 0", "score_fn is not None",
+                 "max(steps, 1) > 2", "len(items) > 0"):
         assert not wording._per_rank_value(test), test
 
 

@@ -1026,14 +1026,18 @@ _PER_RANK_PART = re.compile(r"(?<![\w.])(?:\w+_)?(loss|losses|accuracy|score)(?:
 _SETTING = re.compile(r"(_(every|steps|interval|freq|frequency|scale|scaling|type|fn|func|weight|weights|"
                       r"threshold|name|mode|kind|coef|factor)$)|^(use|num|max|min)_", re.IGNORECASE)
 _STRING = re.compile(r"""(['"]).*?\1""")  # a literal in a test: its words are not values
+# a tensor reduced to a value in the test ('if over.sum() > 0:', 'if mask.any():'): the rank's own data
+_TENSOR_VALUE = re.compile(r"\.(sum|any|all|item|max|min|mean|numel|count_nonzero)\(|"
+                           r"\btorch\.(any|all|isnan|isinf|isfinite|count_nonzero)\(")
 
 
 def _per_rank_value(test: str) -> bool:
     """Does a condition's text read a value each rank computes for itself (its loss, the clock, a
-    random draw, its batch)?"""
+    random draw, its batch, a tensor it reduces to a number)?"""
     test = _STRING.sub("", test)
-    return bool(_PER_RANK.search(test)) or any(not _SETTING.search(found.group(0))
-                                                for found in _PER_RANK_PART.finditer(test))
+    if _PER_RANK.search(test) or _TENSOR_VALUE.search(test):
+        return True
+    return any(not _SETTING.search(found.group(0)) for found in _PER_RANK_PART.finditer(test))
 
 
 def _telling(file: str, keyword: str, line: int, test: str) -> bool:
