@@ -115,6 +115,31 @@ def test_a_recv_whose_peer_is_in_another_operation_names_the_peer(leftovers):
     leftovers.check()
 
 
+def _group_picked_by_the_wrong_index():
+    import torch
+    import torch.distributed as dist
+
+    rank = dist.get_rank()
+    groups = [dist.new_group([0, 1]), dist.new_group([2])]  # each rank makes both, members or not
+    mine = groups[rank % 2] if rank < 2 else groups[1]  # rank 1 takes the group of rank 2
+    dist.all_reduce(torch.ones(2), group=mine)  # line: outside its group
+    dist.barrier()  # line: after the group's call
+
+
+def test_a_rank_calling_a_collective_on_a_group_it_is_not_in_is_named(leftovers):
+    # unseen script: a 2x2 tensor- x data-parallel grid whose ranks picked their tensor-parallel group
+    # by the wrong coordinate; torch skipped the calls of the ranks outside it (a warning), and the
+    # members waited. The records said "group ?" on both, which read as groups made in different orders
+    found = _hung_run(_group_picked_by_the_wrong_index, num_processes=3)
+    assert (found.verdict, found.kind, found.ranks) == ("hang", "collective-mismatch", [1]), found.summary
+    at = f"{HERE}:{_line('outside its group')}"
+    said = f"Rank 1 called all_reduce at {at} on a group it is not in. torch skips"
+    assert found.summary.startswith(said), found.summary
+    assert found.summary.endswith(f"(rank 0 waits in all_reduce at {at})."), found.summary
+    assert found.fix.startswith(wording.OUTSIDE_GROUP_CURE), found.fix
+    leftovers.check()
+
+
 def _pair_both_send_first():
     import torch
     import torch.distributed as dist

@@ -180,6 +180,10 @@ def diagnose(views: dict[int, RankView], num_processes: int, reason: str,
         # after the loop's own cures when a loop that ran out first explains the end as well
         ran_out = wording.LOOP_RAN_OUT in summary
         cures = [*cures, wording.SWALLOWED_END_CURE] if ran_out else [wording.SWALLOWED_END_CURE, *cures]
+    outsiders = _calls_outside_their_group(views)
+    if kind != "ok" and outsiders:  # torch skipped them: these ranks went on, their group's members wait
+        kind, culprits = "collective-mismatch", sorted(outsiders)
+        summary, cures = wording.outside_group_summary(outsiders, positions), [wording.OUTSIDE_GROUP_CURE]
     sizes = _batch_sizes(views)
     if kind != "ok" and len(set(sizes.values())) > 1:  # find_executable_batch_size retried on some alone
         culprits = sorted(rank for rank, size in sizes.items() if size < max(sizes.values()))
@@ -206,6 +210,19 @@ def diagnose(views: dict[int, RankView], num_processes: int, reason: str,
 # what calls of two threads, met in a different order on each rank, leave: calls or sizes that differ,
 # nothing recognisable, or a rank gloo aborted (a mismatch of calls keeps its own culprits)
 _THREADS_EXPLAIN = ("collective-mismatch", "shape-mismatch", "unknown")
+
+
+def _calls_outside_their_group(views: dict[int, RankView]) -> dict[int, Op]:
+    """Each rank's first collective on the placeholder ``new_group`` hands the ranks outside a group
+    (``Op.outside``). torch skips such a call with a warning ('Running all_reduce on global rank 1
+    which does not belong to the given group') and returns at once."""
+    found = {}
+    for rank, view in views.items():
+        for op in view.python_ops():
+            if op.outside:
+                found[rank] = op
+                break
+    return found
 
 
 def _batch_sizes(views: dict[int, RankView]) -> dict[int, int]:

@@ -50,6 +50,7 @@ class Op:
     splits: list | None = None  # all_to_all_single's [output rows, output splits, input splits]
     pg_ranks: list[int] | None = None  # the group's global ranks (a subgroup's; None: the world or unknown)
     pg_desc: str | None = None  # torch's description of a subgroup ('mesh_dp': a DeviceMesh dimension's)
+    outside: bool = False  # called on new_group's placeholder for a rank outside the group (torch skips it)
     world: int | None = None  # init_process_group's: the world size it waits for (argument or WORLD_SIZE)
     thread: str | None = None  # the id of the thread that called it, when not the main thread
     batch: list | None = None  # batch_isend_irecv's [["send" or "recv", peer], ...]
@@ -148,7 +149,7 @@ class RankView:
                 root=_rank_or_none(event.get("root")), splits=_splits_or_none(event.get("splits")),
                 pg_ranks=_ranks_or_none(event.get("pg_ranks")), pg_desc=_text_or_none(event.get("pg_desc")),
                 world=_rank_or_none(event.get("world")), thread=_text_or_none(event.get("thread")),
-                batch=_batch_or_none(event.get("batch")))
+                batch=_batch_or_none(event.get("batch")), outside=event.get("pg_outside") is True)
         if op.batch and op.peer is None and len({peer for _kind, peer in op.batch}) == 1:
             op.peer = op.batch[0][1]  # a batch with one peer: waited on as a send or recv with it is
         if len(self.order) == self.order.maxlen:  # forgotten, open or not (an isend never waited for)

@@ -536,6 +536,10 @@ def _op_name(op: Op | None) -> str:
     return canonical_op(op.op) if op else "a collective"
 
 
+def _at_where(op: Op) -> str:
+    return f" at {op.where}" if op.where else ""
+
+
 def _at(pos: Position) -> str:
     return f" at {pos.where}" if pos.where else ""
 
@@ -1561,6 +1565,33 @@ def group_order_summary(ranks: list[int], name: str, members: dict[tuple[int, ..
             "orders. torch numbers a group by the order new_group is called, on every rank, members or not, "
             "so groups of different ranks took one name and meet in one another's collectives (some pass, "
             "some wait for ranks that are in another group).")
+
+
+def outside_group_summary(outsiders: dict[int, Op], positions: dict[int, Position]) -> str:
+    """'Rank 1 called all_reduce at tp.py:30 on a group it is not in. torch skips ... (rank 0 waits
+    in all_reduce at tp.py:30).': the subgroups' waits follow. Which group is not known: torch hands
+    every rank outside a group one placeholder (``GroupMember.NON_GROUP_MEMBER``)."""
+    calls = [f"{_op_name(op)}{_at_where(op)}" for _rank, op in sorted(outsiders.items())]
+    who = ranks_text(sorted(outsiders))
+    same = len(set(calls)) == 1
+    text = (f"{who} called {calls[0]} on a group {'it is' if len(outsiders) == 1 else 'they are'} not in"
+            if same else "; ".join(f"rank {rank} called {call} on a group it is not in"
+                                   for rank, call in zip(sorted(outsiders), calls, strict=True)))
+    waiting = [pos for pos in positions.values() if pos.rank not in outsiders and pos.state == "in-collective"
+               and pos.op is not None and pos.op.pg != WORLD_PG]
+    waits = "; ".join(f"rank {pos.rank} waits in {_op_name(pos.op)}{_at(pos)}" for pos in waiting)
+    several = len(outsiders) > 1
+    return (f"{text[0].upper()}{text[1:]}. torch skips a collective on a group the rank is not in, with "
+            "only a warning ('... which does not belong to the given group'), and returns at once: "
+            f"{'those ranks' if several else 'that rank'} went on while the members of "
+            f"{'their' if several else 'its'} own group wait" + (f" ({waits})." if waits else "."))
+
+
+OUTSIDE_GROUP_CURE = (
+    "Give each rank a group it is in: dist.new_group(ranks) returns a placeholder, not the group, on the "
+    "ranks outside it, so index your list of groups by the rank's own coordinate (the group that holds "
+    "dist.get_rank(): rank // group_size for consecutive ranks, rank % group_size for strided ones), or "
+    "let dist.new_subgroups() / init_device_mesh() hand every rank its own.")
 
 
 GROUP_ORDER_CURE = (

@@ -946,6 +946,7 @@ def _dtype_json(dtype: Any) -> str:
 _groups: dict[int, tuple[Any, str]] = {}  # id(group) -> (group, its text), as ``_texts``
 
 
+NON_MEMBER = -100  # torch's GroupMember.NON_GROUP_MEMBER: what new_group returns to a rank outside it
 PLAIN_GROUP_DESCS = ("", "undefined", "default_pg")  # torch's descriptions that say nothing of a group
 
 
@@ -953,9 +954,13 @@ def _group_json(group: Any) -> str:
     """``"pg":"1","pg_ranks":[2,3]``: a group's name and, for a subgroup, its global ranks (the
     doctor knows a group's members before each has issued a collective there) and its description
     when torch gave one (``"pg_desc":"mesh_dp"``, a DeviceMesh dimension's); ``"pg":"0"`` for the
-    default group. Cached per group, kept alive in the entry and checked on a hit."""
+    default group; ``"pg_outside":true`` for the placeholder ``new_group`` gives the ranks it leaves
+    out (torch skips a call on it with a warning; its ranks, as torch keeps them, are another group's).
+    Cached per group, kept alive in the entry and checked on a hit."""
     if group is None:
         return '"pg":"0"'
+    if type(group) is int and group == NON_MEMBER:  # new_group's placeholder on the ranks it leaves out
+        return '"pg":"?","pg_outside":true'
     cached = _groups.get(id(group))
     if cached is not None and cached[0] is group:
         return cached[1]
