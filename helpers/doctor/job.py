@@ -143,6 +143,7 @@ def run_rank(job: JobEnv, options: JobOptions, command: list[str]) -> NoReturn:
     watchdog = Watchdog(job, options, reader, parent, tracer, command)
     watchdog.start()
     _share_temp_folder()
+    _SWEEPS.append(watchdog.remove_vanished_folders)
     os._exit = watchdog.script_exits  # type: ignore[assignment] - a script's own os._exit says so first
     code, error, exit_call = run_as_main(command)
     watchdog.ended(_exit_record(code, error, exit_call))  # before the traceback: SIGTERM may come meanwhile
@@ -190,6 +191,7 @@ def _exit_record(code: int, error: BaseException | None,
 
 
 _TEMP_FOLDER: list[tuple[int, str]] = []  # (this rank's pid, its multiprocessing folder)
+_SWEEPS: list[Any] = []  # called as the rank leaves: the watchdog's removal of dead ranks' folders
 
 
 def _share_temp_folder() -> None:
@@ -198,8 +200,8 @@ def _share_temp_folder() -> None:
     it over instead of making their own. Each makes its own otherwise, on the first tensor it sends,
     and only its exit handlers remove it, which a worker stopped by SIGTERM never runs: a job the
     doctor stopped left one folder per worker. This rank removes it as it leaves, whoever stops it
-    (``_remove_temp_folder``); only a rank killed by SIGKILL leaves it, empty unless its workers
-    still run."""
+    (``_remove_temp_folder``); a rank killed by SIGKILL cannot, and a rank of its machine that
+    leaves after it removes it (``Watchdog.remove_vanished_folders``; its heartbeat names it)."""
     import multiprocessing.util
 
     try:
@@ -208,11 +210,22 @@ def _share_temp_folder() -> None:
         pass
 
 
+def _own_temp_folder() -> str | None:
+    """This process's multiprocessing folder, made by ``_share_temp_folder``; None in another."""
+    return next((folder for owner, folder in _TEMP_FOLDER if owner == os.getpid()), None)
+
+
 def _remove_temp_folder() -> None:
-    """Remove this rank's multiprocessing folder (``_share_temp_folder``), once its children are gone."""
-    for owner, folder in _TEMP_FOLDER:
-        if owner == os.getpid():
-            shutil.rmtree(folder, ignore_errors=True)
+    """Remove this rank's multiprocessing folder (``_share_temp_folder``), once its children are gone,
+    and those of its machine's ranks that died without removing theirs."""
+    folder = _own_temp_folder()
+    if folder is not None:
+        shutil.rmtree(folder, ignore_errors=True)
+        for sweep in _SWEEPS:
+            try:
+                sweep()
+            except Exception:  # noqa: BLE001 - leaving anyway
+                pass
 
 
 def _end_now(code: int) -> NoReturn:
@@ -264,6 +277,7 @@ def _leave(code: int, from_main: bool = False, stop_children: bool = False) -> N
     trace.settle()  # no state file cut off before its rename
     sys.stdout.flush()
     sys.stderr.flush()
+    _remove_temp_folder()
     _EXIT(code)
 
 
@@ -536,7 +550,17 @@ class Watchdog(threading.Thread):
                 "pending": self.view.pending_seq(), "last": self.view.last_seq(),
                 "progress": self.view.progress, "recs": opened + recent, "site": self._latest_site(),
                 "exit": self.exit, "ended_ago": None if self.exit_mono is None
-                else round(time.monotonic() - self.exit_mono, 3)}
+                else round(time.monotonic() - self.exit_mono, 3), "pymp": _own_temp_folder()}
+
+    def remove_vanished_folders(self) -> None:
+        """Remove the multiprocessing folders (``_share_temp_folder``) that this machine's ranks
+        named in their heartbeats and could not remove: their processes are gone (SIGKILL, from the
+        OOM killer or a memory limit), as last read from the store."""
+        for seen in list(self.board.seen.values()) if self.board is not None else ():
+            beat, folder = seen.beat, seen.beat.get("pymp")
+            if beat.get("machine") == self.machine and isinstance(folder, str) and \
+                    Path(folder).name.startswith("pymp-") and not still_runs(beat):
+                shutil.rmtree(folder, ignore_errors=True)
 
     def _latest_site(self) -> dict[str, Any] | None:
         """The main thread's user line now, else the last one seen: a rank that failed and is
