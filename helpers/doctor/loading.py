@@ -128,7 +128,7 @@ class ImportWatch:
         for rank in culprits:
             self.looks[rank] = self.looks.get(rank, 0) + 1
         since = diagnosis.detected_after_s or 0.0
-        return True, (f"no progress for {since:.1f} s while {who[0].lower()}{who[1:]} had not reported yet"
+        return True, (f"no progress for {since:.1f} s while {who.lower()} had not reported yet"
                       " (still starting: importing torch and the script's modules), so "
                       f"the doctor looked again {stall_s:g} s later (at most {IMPORT_LOOKS} times a rank)")
 

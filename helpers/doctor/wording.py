@@ -1419,7 +1419,7 @@ def caught_failure_summary(caught: dict[int, Op], first: Op, left: list[int],
     """'Every rank finished, but rank 0's all_reduce at train.py:12 (collective #2) raised
     RuntimeError: Connection closed by peer ..., and the script went on: rank 1 never issued
     collective #2 (it had left, after it destroyed ...).' ``first``: the earliest of the failed calls."""
-    parts = [f"rank {rank}'s {_op_name(op)}{f' at {op.where}' if op.where else ''}"
+    parts = [f"rank {rank}'s {_op_name(op)}{_at_where(op)}"
              f"{f' (collective #{op.seq})' if op.seq is not None else ''} raised "
              f"{short_error(op.error).rstrip('.')}" for rank, op in sorted(caught.items())]
     text = (f"Every rank finished, but {'; '.join(parts)}, and the script caught the error and went on "

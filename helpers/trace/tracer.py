@@ -946,7 +946,6 @@ def _dtype_json(dtype: Any) -> str:
 _groups: dict[int, tuple[Any, str]] = {}  # id(group) -> (group, its text), as ``_texts``
 
 
-NON_MEMBER = -100  # torch's GroupMember.NON_GROUP_MEMBER: what new_group returns to a rank outside it
 PLAIN_GROUP_DESCS = ("", "undefined", "default_pg")  # torch's descriptions that say nothing of a group
 
 
@@ -959,7 +958,7 @@ def _group_json(group: Any) -> str:
     Cached per group, kept alive in the entry and checked on a hit."""
     if group is None:
         return '"pg":"0"'
-    if type(group) is int and group == NON_MEMBER:  # new_group's placeholder on the ranks it leaves out
+    if type(group) is int:  # new_group's placeholder for the ranks it leaves out (NON_GROUP_MEMBER)
         return '"pg":"?","pg_outside":true'
     cached = _groups.get(id(group))
     if cached is not None and cached[0] is group:
