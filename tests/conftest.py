@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import atexit
 import glob
+import json
 import os
 import shutil
 import subprocess
@@ -17,6 +18,7 @@ from typing import Any
 
 import psutil
 import pytest
+from filelock import FileLock
 
 REPO = Path(__file__).resolve().parent.parent
 NOTEBOOKS = REPO / "notebooks"
@@ -220,11 +222,23 @@ def helpers_report(*args: str, env: dict[str, str] | None = None) -> subprocess.
 
 
 @pytest.fixture(scope="session")
-def report_runs(tmp_path_factory: pytest.TempPathFactory) -> ReportRuns:
-    """Run the three reports and combine them, once per test session (about 25 s on 2 cores)."""
-    root = tmp_path_factory.mktemp("report-runs")
-    output = {name: helpers_report(*args, "--out", str(root / name), env=REPORT_ENV.get(name))
-              for name, args in REPORT_RUNS.items()}
-    output["fleet"] = helpers_report("--combine", *(str(root / name) for name in REPORT_RUNS),
-                                     "--out", str(root / "fleet"))
+def report_runs(tmp_path_factory: pytest.TempPathFactory, worker_id: str) -> ReportRuns:
+    """Run the three reports and combine them once per test session (about 75 s on 2 cores): the
+    first pytest worker to ask runs them in the folder the workers share, a later one (its test
+    files may land on the other worker) waits for that and reads the same folders."""
+    base = tmp_path_factory.getbasetemp()
+    shared = base if worker_id == "master" else base.parent
+    root, done = shared / "report-runs", shared / "report-runs.json"
+    with FileLock(str(shared / "report-runs.lock")):
+        if not done.is_file():
+            before = Leftovers()
+            output = {name: helpers_report(*args, "--out", str(root / name), env=REPORT_ENV.get(name))
+                      for name, args in REPORT_RUNS.items()}
+            output["fleet"] = helpers_report("--combine", *(str(root / name) for name in REPORT_RUNS),
+                                             "--out", str(root / "fleet"))
+            kept = {name: [proc.returncode, proc.stdout, proc.stderr] for name, proc in output.items()}
+            before.check()  # the reports' kernels and ranks are gone
+            done.write_text(json.dumps(kept))
+    output = {name: subprocess.CompletedProcess([name], code, out, err)
+              for name, (code, out, err) in json.loads(done.read_text()).items()}
     return ReportRuns(root / "node_a", root / "node_b", root / "broken", root / "fleet", output)

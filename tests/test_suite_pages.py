@@ -41,6 +41,19 @@ def test_report_output_is_progress_and_result_only(report_runs: ReportRuns):
     assert "8/8 collectives correct on 2 ranks" in lines[3]
 
 
+def test_a_report_writes_every_file_and_routes_its_parameters(report_runs: ReportRuns):
+    out = report_runs.node_b  # -p num_processes 3 -p max_size_mib 1 -p anonymize True
+    assert "[2/2] 03_smoke_test: ok" in report_runs.output["node_b"].stdout
+    summary = _summary(out)
+    assert summary["parameters"] == {"num_processes": 3, "max_size_mib": 1, "anonymize": True}
+    run = next(run for run in summary["notebooks"] if run["name"] == "03_smoke_test")
+    assert (run["ok"], run["error"]) == (True, None) and run["seconds"] > 0
+    for name in ("03_smoke_test.ipynb", "03_smoke_test.html", "03_smoke_test.json", "index.html"):
+        assert (out / name).stat().st_size > 0, name
+    assert json.loads((out / "03_smoke_test.json").read_text())["world_size"] == 3
+    assert "03_smoke_test.html" in _page(out)
+
+
 def test_every_result_json_has_a_headline_and_summary_repeats_it(report_runs: ReportRuns):
     for folder in (report_runs.node_a, report_runs.node_b):
         summary = _summary(folder)
@@ -87,7 +100,9 @@ def test_failing_notebook_names_notebook_cell_and_parameter(report_runs: ReportR
     assert proc.returncode == 1
     assert re.search(r"03_smoke_test: FAILED in [\d.]+ s -- cell \d+: ValueError: num_processes must be",
                      proc.stdout), proc.stdout
-    [run] = _summary(report_runs.broken)["notebooks"]
+    summary = _summary(report_runs.broken)
+    [run] = summary["notebooks"]
+    assert summary["ok"] is False and "ValueError" in run["error"]
     assert run["ok"] is False and isinstance(run["cell"], int) and run["ename"] == "ValueError"
     assert run["evalue"].startswith("num_processes must be") and "validate" in run["cell_source"]
     page = _page(report_runs.broken)
