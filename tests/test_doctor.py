@@ -3386,6 +3386,21 @@ def test_an_import_is_looked_at_again_while_its_stack_is_new_at_most_import_look
     assert loading.ImportWatch().look(in_call, {1: _importing_stack(5)}, 2.0) == (False, None)
 
 
+def test_the_notes_of_many_looks_again_list_the_first_few_then_count_the_rest():
+    # a long healthy job whose slow collectives completed as they were looked at, stall after stall
+    from helpers.doctor import loading
+
+    notes = loading.LookNotes()
+    notes.add(None)
+    assert notes.lines() == []
+    for number in range(loading.NOTES_KEPT + 7):
+        notes.add(f"look {number}")
+    lines = notes.lines()
+    assert lines[:loading.NOTES_KEPT] == [f"look {number}" for number in range(loading.NOTES_KEPT)]
+    assert lines[loading.NOTES_KEPT:] == [f"7 more looks like these after them; the last: "
+                                          f"look {loading.NOTES_KEPT + 6}"]
+
+
 def test_a_rank_that_caught_its_error_and_destroyed_the_group_in_a_finally_is_told_so(leftovers):
     # unseen script: train() in a try whose 'except Exception:' logs, destroy_process_group() in its
     # finally; rank 1's error ends it as finished (exit 0), and rank 0's next all_reduce fails as the

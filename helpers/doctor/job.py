@@ -64,7 +64,7 @@ from helpers.doctor.leader import (
     should_diagnose,
     still_runs,
 )
-from helpers.doctor.loading import ImportWatch, stall_ended, stall_ended_note
+from helpers.doctor.loading import ImportWatch, LookNotes, stall_ended, stall_ended_note
 from helpers.doctor.records import RankView, fold
 
 TICK_S = 0.25  # how often a watchdog posts its heartbeat and reads the leader's keys
@@ -323,7 +323,7 @@ class Watchdog(threading.Thread):
         self.hold_until = 0.0  # the leader's next look, after a trigger that found nothing wrong
         self.imports = ImportWatch()  # a stall while a rank imports is looked at again (loading.py)
         self.stall_hold_until = 0.0  # when that look comes (a failure is not held for it)
-        self.looked_again: list[str] = []  # the notes of those looks, for the diagnosis
+        self.looked_again = LookNotes()  # the notes of those looks, for the diagnosis
         self.decided = threading.Event()  # a verdict exists (or the store is gone): ended ranks leave
         self.verdict: dict[str, Any] | None = None
         self.signalled: int | None = None
@@ -736,19 +736,19 @@ class Watchdog(threading.Thread):
             self.hold_until = time.monotonic() + HOLD_S  # init after it left it): a healthy job is left
             return  # alone; the claim stays this rank's, and the next look reads fresh heartbeats
         if reason == "stall" and stall_ended(diagnosis):  # its collective completed as the stacks came
-            self.looked_again.append(stall_ended_note(diagnosis.detected_after_s))
+            self.looked_again.add(stall_ended_note(diagnosis.detected_after_s))
             self.hold_until = time.monotonic() + HOLD_S
             return
         if reason == "stall":  # a rank importing a module: late, not stuck, while its import moves on
             answered = {rank: answer.get("stack") or [] for rank, answer in answers.items()}
             unheard = frozenset(range(self.job.world)) - set(beats) - set(answers)
             again, note = self.imports.look(diagnosis, {**answered, **stacks}, self.options.stall_s, unheard)
-            self.looked_again.extend([note] if note else [])
+            self.looked_again.add(note)
             if again:
                 print(f"doctor: {note}", file=sys.stderr)
                 self.stall_hold_until = time.monotonic() + self.options.stall_s
                 return
-        diagnosis.notes.extend(self.looked_again)
+        diagnosis.notes.extend(self.looked_again.lines())
         self._compare_software(diagnosis, roster)
         diagnosis.notes.append(f"diagnosed inside the job by rank {self.job.rank} (on {self.host}), "
                                f"through the job's store at {self.job.master_addr}:{self.job.master_port}")

@@ -31,6 +31,7 @@ from helpers.doctor.wording import ranks_text
 
 IMPORT_FILES = ("<frozen importlib._bootstrap>", "<frozen importlib._bootstrap_external>")
 IMPORT_LOOKS = 10  # looks again per rank, at most: an import whose stacks never repeat is named too
+NOTES_KEPT = 5  # notes of looks again listed in full in a diagnosis; later ones are counted
 
 
 def stall_ended(diagnosis: Diagnosis) -> bool:
@@ -45,6 +46,33 @@ def stall_ended_note(since_s: float | None) -> str:
     return (f"progress stopped for {since_s or 0.0:.1f} s while a rank waited in a collective, which "
             "then completed while the ranks' stacks were gathered: no rank was waiting any more, nothing "
             "was named")
+
+
+class LookNotes:
+    """The notes of a run's looks again before its diagnosis: the first ``NOTES_KEPT`` in full, then
+    how many more and the last (a long job whose slow collectives completed as they were looked at
+    would otherwise list every one)."""
+
+    def __init__(self) -> None:
+        self.first: list[str] = []
+        self.more = 0
+        self.last = ""
+
+    def add(self, note: str | None) -> None:
+        """Keep ``note`` (None: nothing to keep)."""
+        if not note:
+            return
+        if len(self.first) < NOTES_KEPT:
+            self.first.append(note)
+        else:
+            self.more, self.last = self.more + 1, note
+
+    def lines(self) -> list[str]:
+        """The notes for the diagnosis."""
+        if not self.more:
+            return list(self.first)
+        return [*self.first, f"{self.more} more look{'s' if self.more > 1 else ''} like these after them; "
+                             f"the last: {self.last}"]
 
 
 def importing(stack: list[dict[str, Any]]) -> bool:

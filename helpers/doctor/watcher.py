@@ -21,7 +21,7 @@ from typing import Any
 from helpers import params, report, rundir, trace
 from helpers.collectives import INIT_OP
 from helpers.doctor.diagnosis import Diagnosis, diagnose, main_stack
-from helpers.doctor.loading import ImportWatch, stall_ended, stall_ended_note
+from helpers.doctor.loading import ImportWatch, LookNotes, stall_ended, stall_ended_note
 from helpers.doctor.records import RankView, read_new_records, read_text
 from helpers.launch import LaunchError, LaunchTimeout, RankError, RankExited, Run, Watcher, rank_failure
 
@@ -65,7 +65,7 @@ class Doctor(Watcher):
         self.requests = 0
         self.started = time.time()
         self.read_by_py_spy: set[int] = set()  # ranks whose stack py-spy read (their helper was silent)
-        self.passed: list[str] = []  # stalls that ended on their own while the evidence was gathered
+        self.passed = LookNotes()  # stalls that ended on their own while the evidence was gathered
         self.imports = ImportWatch()  # a stall while a rank imports is looked at again (loading.py)
         self.hold_until = 0.0  # when a stall that found a rank importing is looked at again
 
@@ -101,7 +101,7 @@ class Doctor(Watcher):
         self._read_states(run, "final")
         diagnosis = diagnose(self.views, run.num_processes, "finished", None, {})
         diagnosis.evidence.started = self.started
-        diagnosis.notes.extend(self.passed)
+        diagnosis.notes.extend(self.passed.lines())
         self._conclude(run, diagnosis)
         if diagnosis.verdict == "mismatch":
             error = MismatchDetected(diagnosis.text())
@@ -241,20 +241,20 @@ class Doctor(Watcher):
         diagnosis = diagnose(self.views, run.num_processes, reason, _since(since), self.stacks_of(run))
         diagnosis.evidence.started, diagnosis.evidence.stall_start = self.started, stall_start
         if diagnosis.kind == "ok":  # every rank finished meanwhile: a late rank, not a hang
-            self.passed.append(f"progress stopped for {_since(since):.1f} s ({reason}), then every rank "
+            self.passed.add(f"progress stopped for {_since(since):.1f} s ({reason}), then every rank "
                                "went on and finished while their stacks were gathered")
             return
         if reason == "stall" and stall_ended(diagnosis):  # its collective completed as the stacks came
-            self.passed.append(stall_ended_note(_since(since)))
+            self.passed.add(stall_ended_note(_since(since)))
             return
         if reason == "stall":  # a rank importing a module: late, not stuck, while its import moves on
             stacks = {rank: main_stack(view) for rank, view in self.views.items()}
             again, note = self.imports.look(diagnosis, stacks, self.stall_s)
-            self.passed.extend([note] if note else [])
+            self.passed.add(note)
             if again:
                 self.hold_until = time.time() + self.stall_s
                 return
-        diagnosis.notes.extend(self._read_notes() + self.passed)
+        diagnosis.notes.extend(self._read_notes() + self.passed.lines())
         self._conclude(run, diagnosis)
         error = HangDetected(diagnosis.text(), self.stacks_of(run))
         _attach(error, diagnosis)
