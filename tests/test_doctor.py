@@ -2267,6 +2267,30 @@ def test_a_rank_waiting_for_a_file_lock_is_named_at_its_own_line_with_the_locks_
     leftovers.check()
 
 
+
+def _a_rank_waiting_for_a_store_key_no_rank_set():
+    import torch
+    import torch.distributed as dist
+
+    store = dist.distributed_c10d._get_default_store()
+    if dist.get_rank() == 1:  # rank 1 has nothing to share, and sets no key
+        store.set("words/1", "tok")
+    if dist.get_rank() == 0:
+        for source in range(dist.get_world_size()):
+            print(store.get(f"words/{source}"))  # line: store get
+    dist.all_reduce(torch.ones(2))
+
+
+def test_a_rank_waiting_for_a_store_key_is_named_with_the_stores_cure(leftovers):
+    # unseen i2: a Store's get blocks in C++, so the rank's line is its innermost frame, inside a
+    # loop: the line tells what it waits for, not "in a loop"
+    found = doctor.run_function(_a_rank_waiting_for_a_store_key_no_rank_set, num_processes=2, stall_s=2.0,
+                                timeout_s=60)
+    assert (found.kind, found.ranks) == ("rank-missing", [0]), found.text()
+    assert f"rank 0 is {wording.STORE_WAIT} at {HERE}:{_line('store get')}" in found.summary, found.summary
+    assert found.fix.startswith(wording.STORE_CURE), found.fix
+    leftovers.check()
+
 def test_a_rank_in_an_installed_packages_code_is_named_by_that_package_and_the_users_line():
     user = {"file": "/work/train.py", "line": 9, "func": "<module>", "user": True, "where": "train.py:9"}
     package = {"file": "/venv/lib/python3.11/site-packages/mycache/poll.py", "line": 41, "func": "wait_ready",

@@ -907,8 +907,10 @@ def _classify(positions: dict[int, Position], histories: dict[int, dict], views:
         if wording.gave_up(positions):  # torch's timeout ended a wait: the missing rank may be slow
             monitored = wording.monitored_timeout(positions)
             cures.append(wording.MONITORED_TIMEOUT_CURE if monitored else wording.TIMEOUT_CURE)
-        if any(positions[rank].detail.startswith(wording.FILE_LOCK_WAIT) for rank in missing):
-            cures.insert(0, wording.FILE_LOCK_CURE)
+        for wait, cure in ((wording.FILE_LOCK_WAIT, wording.FILE_LOCK_CURE),
+                           (wording.STORE_WAIT, wording.STORE_CURE)):
+            if any(positions[rank].detail.startswith(wait) for rank in missing):
+                cures.insert(0, cure)
         return ("rank-missing", missing, wording.missing_summary(missing, positions), *cures)
     if _all_in_init(positions):
         unborn = _asked_for_a_larger_world(positions)

@@ -76,6 +76,8 @@ CHILD_FILE = "/subprocess.py"  # a rank that waits in it waits for a child proce
 CHILD_WAIT = "waiting for a child process"
 NEW_GROUP_WAIT = "creating a process group (new_group)"
 NETWORK_WAIT = "waiting on the network"
+# a torch.distributed Store's get and wait block in C++ (no Python frame below the user's line)
+STORE_WAIT = "waiting for a key in a torch.distributed store (get or wait)"
 
 DATALOADER_CURE = (
     "Its DataLoader's worker processes have not delivered the next batch: a worker is slow or stuck "
@@ -280,6 +282,16 @@ BATCH_SIZE_CURE = (
     "processes, give every rank a batch size that fits all of them (found in a run of one process, "
     "then set), or decide a retry together: catch the error yourself, reduce a flag across the ranks "
     "and retry on every rank with the same smaller size.")
+
+STORE_CURE = (
+    "A Store's get(key) and wait([key]) block until some process sets the key, up to the store's "
+    "timeout: for the default store (dist.distributed_c10d._get_default_store()) that is "
+    "init_process_group's timeout, 30 minutes by default with gloo (distributed_c10d.py calls "
+    "store.set_timeout(timeout)), while the other ranks wait in their next collective. The rank meant "
+    "to set the key skipped its set (under a condition on its own data: nothing to share) or set "
+    "another key: set it on every path, an empty value when there is nothing to share, or share the "
+    "values with a collective every rank calls (all_gather_object), which needs no keys.")
+
 
 FILE_LOCK_CURE = (
     "A file lock waits for the process that holds it: find that one with fuser -v FILE or lsof FILE on "
@@ -492,6 +504,8 @@ _WAITING_LINES = ((re.compile(r"\b(flock|lockf)\("), FILE_LOCK_WAIT),
                   (re.compile(r"^\s*(async\s+)?with\s+[\w.]*(lock|mutex)\w*\s*:", re.IGNORECASE),
                    "waiting to acquire a lock"),
                   (re.compile(r"\.(recv|recv_into|recvfrom|recvmsg|accept)\("), f"{NETWORK_WAIT} (a socket)"),
+                  # 'store.get(key)', '_get_default_store().wait([key])', 'self.kv_store.get(...)'
+                  (re.compile(r"store\w*(\(\))?\.(get|wait)\(", re.IGNORECASE), STORE_WAIT),
                   (re.compile(r"(^|[^\w.])input\("), STDIN_WAIT))
 
 
