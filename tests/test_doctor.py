@@ -2005,6 +2005,37 @@ def test_a_rank_waiting_outside_torch_is_said_to_wait_for_what_it_waits_for(left
     leftovers.check()
 
 
+def _a_rank_reading_a_child_that_waits_for_its_input_to_end():
+    import subprocess
+    import sys
+
+    import torch
+    import torch.distributed as dist
+
+    if dist.get_rank() == 1:
+        child = subprocess.Popen([sys.executable, "-c", "import json, sys\nprint(json.load(sys.stdin))\n"],
+                                 stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+        child.stdin.write('{"epoch": 1}')
+        child.stdin.flush()  # but not closed: json.load waits for the end of its input
+        for line in child.stdout:  # line: pipe
+            print(line)
+    dist.all_reduce(torch.ones(2))
+
+
+def test_a_rank_reading_a_childs_output_is_named_with_the_child_and_communicates_cure(leftovers):
+    # unseen i5: a pipe's read is C, so the rank's own line is its innermost frame (in a loop)
+    found = doctor.run_function(_a_rank_reading_a_child_that_waits_for_its_input_to_end, num_processes=2,
+                                stall_s=2.0, timeout_s=60)
+    assert (found.kind, found.ranks) == ("rank-missing", [1]), found.text()
+    said = (rf"rank 1 is {re.escape(wording.CHILD_PIPE_WAIT)}"
+            rf" at {HERE}:{_line('pipe')} \(python\S* -c 'import json, sys; "
+            r"print\(json.load\(sys.stdin\)\)', pid \d+\)")  # the program's lines on one line
+    assert re.search(said, found.summary), found.summary
+    assert found.fix.startswith("The rank reads a command's output"), found.fix
+    assert "subprocess.run(..., timeout=S) kills" not in found.fix  # the general child cure does not follow
+    leftovers.check()
+
+
 def test_collectives_from_two_threads_in_a_different_order_on_each_rank_are_named(leftovers):
     # rank 0's metrics thread issues collective #1 and its main thread #2; rank 1 the other way round:
     # gloo pairs 1 float with 8 and aborts a rank, whose dump shows both threads in their calls; the
@@ -2474,6 +2505,47 @@ def test_a_sys_exit_in_a_function_called_inside_the_loop_is_named_with_that_call
         "inside the loop at val.py:12 (under 'if loss == float('inf'):' at val.py:7, a condition each rank "
         "decides for itself) while other ranks still needed it"), data["summary"]
     assert data["fix"].startswith(wording.LOOP_EXIT_CURE), data["fix"]
+    leftovers.check()
+
+
+_TASKS = """\
+import sys
+
+SPECS = {"sst2": {}, "wnli": {"status": "deprecated"}}
+
+def check(name):
+    if SPECS[name].get("status") == "deprecated":
+        sys.exit(0)
+
+def load(name):
+    check(name)
+    return len(name)
+"""
+
+_EXITS_IN_A_HELPER = """\
+import torch
+import torch.distributed as dist
+from tasks import SPECS, load
+
+dist.init_process_group("gloo")
+scores = []
+for name in list(SPECS)[dist.get_rank()::2]:
+    scores.append(load(name))
+dist.all_reduce(torch.tensor(scores, dtype=torch.float))
+"""
+
+
+def test_a_sys_exit_under_a_condition_in_a_helper_module_is_named_with_the_scripts_call(tmp_path, leftovers):
+    # unseen i6: a task registry's check exits (code 0) on a deprecated task, which only rank 1 has;
+    # the loop that calls it holds no collective: an early exit of the process, not of a turn
+    (tmp_path / "tasks.py").write_text(_TASKS)
+    done, data = _diagnosed_script(tmp_path, "probe.py", _EXITS_IN_A_HELPER)
+    assert (data["kind"], data["ranks"]) == ("rank-exited", [1]), done.stderr[-3000:]
+    assert data["summary"].startswith(
+        "Rank 1 left through sys.exit(0) at tasks.py:7, in a function called at probe.py:8, inside the loop "
+        "at probe.py:7 while other ranks still needed it"), data["summary"]
+    assert data["per_rank"][1]["location"] == "tasks.py:7"
+    assert data["fix"].startswith(wording.EARLY_EXIT_CURE), data["fix"]
     leftovers.check()
 
 

@@ -34,6 +34,7 @@ from helpers.collectives import (
 from helpers.doctor import wording
 from helpers.doctor.records import KEPT_OPS, WORLD_PG, Evidence, Op, Position, RankView, fr_op
 from helpers.doctor.source import (
+    enclosing_condition,
     enclosing_function,
     enclosing_loop,
     faulthandler_stack,
@@ -485,13 +486,26 @@ def _place_exit_call(pos: Position, exit_record: dict, view: RankView) -> None:
     held = next((frame for depth, frame in enumerate(frames)
                  if _loop_holds_collectives(frame, frames[:depth], view)), None)
     if held is None:
-        return
+        if not _exits_early(file, line):
+            return
+        pos.exit_early = True  # named at its line, from the script's own line that called down to it
+        script = frames[-1][0]  # the outermost user frame's file: the script run as __main__
+        held = next(frame for frame in frames if frame[0] == script)
     found = _EXIT_CALL.search(source_line(site))
     pos.exit_call = found.group(0) if found else "a SystemExit"
     pos.where, pos.file, pos.line = site.get("where"), file, line
     if held != (file, line):  # sys.exit() in a function called inside the loop
         pos.exit_from = held
         pos.exit_callers = frames[1:frames.index(held) + 1]
+
+
+def _exits_early(file: str | None, line: int | None) -> bool:
+    """Is a sys.exit() at ``file:line`` an early exit outside any loop: under an ``if`` inside the
+    function it is in ('if spec["status"] == "deprecated": sys.exit(0)' in a helper), not a script's
+    last line (``sys.exit(main())``) nor a function's unconditional end?"""
+    function = enclosing_function(file, line)
+    condition = enclosing_condition(file, line)
+    return bool(function) and condition is not None and condition[0] > function
 
 
 def _loop_holds_collectives(frame: tuple[str | None, int | None], inner: list[tuple[str | None, int | None]],
@@ -879,8 +893,10 @@ def _classify(positions: dict[int, Position], histories: dict[int, dict], views:
         if loop is not None:
             summary += wording.loop_ran_longer(loop, exited, positions, wording.SWALLOWED_END in summary)
             return "rank-exited", exited, summary, *_loop_cures(summary)
-        if any(positions[rank].exit_call for rank in exited):  # an early exit inside a loop
-            return "rank-exited", exited, summary, wording.LOOP_EXIT_CURE
+        if any(positions[rank].exit_call for rank in exited):  # an early exit, inside a loop or not
+            early = all(positions[rank].exit_early for rank in exited if positions[rank].exit_call)
+            cure = wording.EARLY_EXIT_CURE if early else wording.LOOP_EXIT_CURE
+            return "rank-exited", exited, summary, cure
         return "rank-exited", exited, summary
     crossed = _crossed_p2p(positions)
     if crossed:

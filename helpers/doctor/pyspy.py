@@ -37,7 +37,7 @@ from helpers import redact, report
 from helpers.collectives import INIT_OP, OPS
 from helpers.doctor.diagnosis import Diagnosis, diagnose
 from helpers.doctor.records import Op, RankView
-from helpers.doctor.wording import CHILD_FILE, DATALOADER_FILE, POOL_FILES, issued_by, runs_in
+from helpers.doctor.wording import CHILD_FILE, DATALOADER_FILE, POOL_FILES, issued_by, reads_a_pipe, runs_in
 from helpers.sites import is_user_code
 
 PY_SPY_TIMEOUT_S = 20.0
@@ -270,15 +270,16 @@ def children_waited_for(ranks: dict[Any, tuple[int, list[dict[str, Any]]]],
     ProcessPoolExecutor's future), its workers' stacks, read with
     py-spy in parallel (``{"pid": ..., "frames": [...]}``, for ``wording.activity`` to say where a
     worker is stuck; py-spy needs ptrace rights, and a parent may read its own children); for a rank
-    in ``subprocess``, its children's commands (``{"pid": ..., "cmd": ...}``, secrets redacted, cut
-    at ``COMMAND_CHARS``). Ranks that wait for neither are left out, and so is what cannot be read."""
+    in ``subprocess`` or reading a child's pipe on its own line, its children's commands
+    (``{"pid": ..., "cmd": ...}``, secrets redacted, cut at ``COMMAND_CHARS``). Ranks that wait for
+    neither are left out, and so is what cannot be read."""
     import psutil
 
     children: dict[int, Any] = {}  # a DataLoader worker's pid -> its rank
     found: dict[Any, list[dict[str, Any]]] = {}
     for rank, (pid, stack) in ranks.items():
         loader = any(runs_in(frame, file) for frame in stack for file in (DATALOADER_FILE, *POOL_FILES))
-        if not loader and not any(runs_in(frame, CHILD_FILE) for frame in stack):
+        if not loader and not any(runs_in(frame, CHILD_FILE) for frame in stack) and not reads_a_pipe(stack):
             continue
         try:
             parent = psutil.Process(pid)
@@ -330,12 +331,17 @@ def _command_of(child: Any, parent: Any) -> dict[str, Any] | None:
             return None
     except psutil.Error:
         return None
-    redacted = redact.redact_argv(words)
+    redacted = [_one_line(word) for word in redact.redact_argv(words)]
     text = shlex.join([Path(redacted[0]).name, *redacted[1:]])
     if _HELPER_PROCESS.search(text):
         return None
     text = re.sub(rf"'([^' ]*{re.escape(redact.REDACTED)}[^' ]*)'", r"\1", text)  # no quotes around it
     return {"pid": child.pid, "cmd": text if len(text) <= COMMAND_CHARS else text[:COMMAND_CHARS - 1] + "…"}
+
+
+def _one_line(word: str) -> str:
+    """A word of a command on one line: a 'python -c' program's lines joined by '; '."""
+    return "; ".join(line.strip() for line in word.splitlines() if line.strip()) if "\n" in word else word
 
 
 def faulthandler_text(frames: list[dict[str, Any]]) -> str:

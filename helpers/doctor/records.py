@@ -307,7 +307,10 @@ class Position:
     #                           as it dumped its stack gave its exit status another signal)
     victim: bool = False  # raised inside a collective (a consequence, not a cause)
     exit_call: str = ""  # the sys.exit() / exit() it left through inside a loop ('sys.exit(0)'), at ``where``
+    #                      or under a condition in a function outside any (``exit_early``)
     exit_from: tuple[str, int] | None = None  # its caller's line in that loop (a function called there)
+    exit_early: bool = False  # that sys.exit() is under a condition in a function, outside any loop
+    #                           of collectives (a helper's 'if deprecated: sys.exit(0)')
     exit_callers: list[tuple[str, int]] = field(default_factory=list)  # the calls up to it, innermost first
     destroyed_at: str = ""  # where it destroyed the default group ('train.py:10'), when it did
     destroyed_site: tuple[str, int] | None = None  # that line's file and number

@@ -74,6 +74,9 @@ FILE_LOCK_WAIT = "waiting for a file lock"  # a dataset or model cache's, most o
 STDIN_WAIT = "waiting for input on stdin"  # a rank's line calls input()
 CHILD_FILE = "/subprocess.py"  # a rank that waits in it waits for a child process it started
 CHILD_WAIT = "waiting for a child process"
+CHILD_PIPE_WAIT = CHILD_WAIT + " (reading its output through a pipe)"
+# 'for line in proc.stdout:', 'proc.stdout.readline()': a pipe's read is C, the user's line is innermost
+CHILD_PIPE_LINE = re.compile(r"\.(stdout|stderr)\b(?!\.(write|flush|close)\()")
 NEW_GROUP_WAIT = "creating a process group (new_group)"
 NETWORK_WAIT = "waiting on the network"
 # a torch.distributed Store's get and wait block in C++ (no Python frame below the user's line)
@@ -144,7 +147,14 @@ KNOWN_ERRORS = [
      "the group', and 'groups should be created in the same order in all processes' (its docstring). "
      "Make the groups once, right after init_process_group, outside any branch on the rank, and pick "
      "the one a rank uses afterwards."),
-    (re.compile(re.escape(CHILD_WAIT)),
+    (re.compile(re.escape(CHILD_PIPE_WAIT)),
+     "The rank reads a command's output until the command writes more or ends, while the others wait "
+     "in their next collective. A command that reads its standard input to the end (json.load("
+     "sys.stdin), cat, sort) waits for the end that never comes while the rank's end of the pipe is "
+     "open: proc.communicate(input, timeout=S) writes the input, closes the pipe, reads the output and "
+     "sets a deadline, as does subprocess.run(..., input=..., timeout=S); Python's subprocess docs "
+     "advise communicate() over .stdin.write and .stdout.read, which can deadlock on full pipes."),
+    (re.compile(re.escape(CHILD_WAIT) + r"(?! \(reading)"),
      "The rank waits for a command it started, while the others wait in their next collective. Give "
      "the call a deadline: subprocess.run(..., timeout=S) kills the command and raises "
      "TimeoutExpired, an error the doctor names (with shell=True it kills the shell, and what the "
@@ -203,6 +213,13 @@ LOOP_EXIT_CURE = (
     "the ranks first, e.g. bad = accelerator.reduce(torch.tensor([float(condition)], "
     "device=accelerator.device), 'sum').item() > 0, and skip (or leave) on every rank when any rank "
     "needs to; to stop early, accelerator.set_trigger() / accelerator.check_trigger() does this.")
+EARLY_EXIT_CURE = (
+    "sys.exit() ends the rank's process, not the function or the piece of work it is called in: its "
+    "remaining collectives never run, and the other ranks wait in them. To skip a piece of work, "
+    "return from the function (or raise an error the caller catches) instead, so the rank still "
+    "reaches the collectives after it, with an empty result where it has none; to stop the whole "
+    "job, decide it on every rank together (reduce the condition across the ranks first) and leave "
+    "on every rank.")
 _EXIT_EFFECTS = {"continue": "skips the rest of its turn", "break": "ends the loop",
                  "return": "leaves the function"}
 MODEL_ON_ONE_RANK_CURE = (
@@ -450,7 +467,7 @@ def activity(rank: int, frame: dict[str, Any], stack: list[dict[str, Any]], sile
     waits = waiting_for(frame, stack)
     if waits is not None:
         busy = workers_text(workers or [], waits) if waits in _WORKER_LOOPS else ""
-        if waits == CHILD_WAIT:
+        if waits.startswith(CHILD_WAIT):
             busy = "; ".join(f"{child['cmd']}, pid {child['pid']}" for child in workers or []
                              if child.get("cmd"))
         return f"{waits} at {frame['where']}" + (f" ({busy})" if busy else "")
@@ -506,7 +523,8 @@ _WAITING_LINES = ((re.compile(r"\b(flock|lockf)\("), FILE_LOCK_WAIT),
                   (re.compile(r"\.(recv|recv_into|recvfrom|recvmsg|accept)\("), f"{NETWORK_WAIT} (a socket)"),
                   # 'store.get(key)', '_get_default_store().wait([key])', 'self.kv_store.get(...)'
                   (re.compile(r"store\w*(\(\))?\.(get|wait)\(", re.IGNORECASE), STORE_WAIT),
-                  (re.compile(r"(^|[^\w.])input\("), STDIN_WAIT))
+                  (re.compile(r"(^|[^\w.])input\("), STDIN_WAIT),
+                  (CHILD_PIPE_LINE, CHILD_PIPE_WAIT))
 
 
 def waiting_for(frame: dict[str, Any], stack: list[dict[str, Any]]) -> str | None:
@@ -538,6 +556,11 @@ def workers_text(workers: list[dict[str, Any]], waits: str = DATALOADER_WAIT) ->
         if user is not None:
             parts.append(f"worker pid {worker['pid']} is {activity(-1, user, below)} in {user['func']}")
     return "; ".join(parts)
+
+
+def reads_a_pipe(stack: list[dict[str, Any]]) -> bool:
+    """Does the innermost frame's line read a child's output pipe ('for line in proc.stdout:')?"""
+    return bool(stack) and CHILD_PIPE_LINE.search(source_line(stack[-1])) is not None
 
 
 def runs_in(frame: dict[str, Any], ending: str, funcs: set[str] | None = None) -> bool:
