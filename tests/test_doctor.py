@@ -2005,6 +2005,40 @@ def test_a_rank_waiting_outside_torch_is_said_to_wait_for_what_it_waits_for(left
     leftovers.check()
 
 
+def _class_weights(labels: list[int], queue) -> None:
+    queue.put([len(labels) / labels.count(c) for c in range(4)])  # a class missing: ZeroDivisionError
+
+
+def _ranks_waiting_on_a_queue_a_child_fills():
+    import multiprocessing
+
+    import torch
+    import torch.distributed as dist
+
+    rank = dist.get_rank()
+    if rank:  # rank 1's labels lack a class, so its child dies; rank 2's child is alive and slow
+        context = multiprocessing.get_context("fork")
+        queue = context.Queue()
+        target = _class_weights if rank == 1 else time.sleep
+        child = context.Process(target=target, args=([0, 1, 2], queue) if rank == 1 else (60,), daemon=True)
+        child.start()
+        weights = queue.get()  # line: queue get
+        child.join()
+        print(weights)
+    dist.all_reduce(torch.ones(2))
+
+
+def test_a_rank_waiting_on_a_queue_whose_child_died_is_told_so(leftovers):
+    # unseen i1: a class-weights worker raised, and its parent waits in queue.get for ever
+    found = doctor.run_function(_ranks_waiting_on_a_queue_a_child_fills, num_processes=3, stall_s=2.0,
+                                timeout_s=60)
+    assert (found.kind, found.ranks) == ("rank-missing", [1, 2]), found.text()
+    waits = f"is {wording.MULTIPROCESSING_WAIT} at {HERE}:{_line('queue get')}"
+    assert f"rank 1 {waits} ({wording.NONE_ALIVE}); rank 2 {waits}." in found.summary, found.summary
+    assert found.fix.startswith("The process the rank waits for through multiprocessing"), found.fix
+    leftovers.check()
+
+
 def _a_rank_reading_a_child_that_waits_for_its_input_to_end():
     import subprocess
     import sys
@@ -2521,6 +2555,43 @@ def load(name):
     check(name)
     return len(name)
 """
+
+_TIMED_STEPS = """\
+import torch
+import torch.distributed as dist
+
+class StepTimer:
+    def __enter__(self):
+        return self
+
+    def __exit__(self, exc_type, exc, tb):
+        if exc_type is not None:
+            return False
+        dist.barrier()
+
+dist.init_process_group("gloo")
+for step in range(6):
+    try:
+        with StepTimer():
+            dist.all_reduce(torch.ones(2))
+            if dist.get_rank() == 1 and step == 2:
+                raise ZeroDivisionError("no positives in this batch")
+    except ZeroDivisionError:
+        pass
+"""
+
+
+def test_a_with_blocks_exit_skipped_on_one_rank_is_named_on_that_rank(tmp_path, leftovers):
+    # unseen j4: a timer's __exit__ reduces unless an exception left the block; one rank's block
+    # raised (caught outside): its next turn's call meets the others' call in __exit__, whose line
+    # (the with's) comes before the block's though it runs after it
+    done, data = _diagnosed_script(tmp_path, "timed.py", _TIMED_STEPS)
+    assert (data["kind"], data["ranks"]) == ("collective-mismatch", [1]), done.stderr[-3000:]
+    assert ("Rank 1 has come round to the loop at timed.py:14 again without the barrier at timed.py:11 (from "
+            "the call at timed.py:16) that rank 0 waits in") in data["summary"], data["summary"]
+    assert "the return at timed.py:10 (if exc_type is not None) leaves its function" in data["summary"]
+    leftovers.check()
+
 
 _EXITS_IN_A_HELPER = """\
 import torch

@@ -37,7 +37,15 @@ from helpers import redact, report
 from helpers.collectives import INIT_OP, OPS
 from helpers.doctor.diagnosis import Diagnosis, diagnose
 from helpers.doctor.records import Op, RankView
-from helpers.doctor.wording import CHILD_FILE, DATALOADER_FILE, POOL_FILES, issued_by, reads_a_pipe, runs_in
+from helpers.doctor.wording import (
+    CHILD_FILE,
+    DATALOADER_FILE,
+    MULTIPROCESSING_FILES,
+    POOL_FILES,
+    issued_by,
+    reads_a_pipe,
+    runs_in,
+)
 from helpers.sites import is_user_code
 
 PY_SPY_TIMEOUT_S = 20.0
@@ -271,15 +279,19 @@ def children_waited_for(ranks: dict[Any, tuple[int, list[dict[str, Any]]]],
     py-spy in parallel (``{"pid": ..., "frames": [...]}``, for ``wording.activity`` to say where a
     worker is stuck; py-spy needs ptrace rights, and a parent may read its own children); for a rank
     in ``subprocess`` or reading a child's pipe on its own line, its children's commands
-    (``{"pid": ..., "cmd": ...}``, secrets redacted, cut at ``COMMAND_CHARS``). Ranks that wait for
-    neither are left out, and so is what cannot be read."""
+    (``{"pid": ..., "cmd": ...}``, secrets redacted, cut at ``COMMAND_CHARS``); for a rank in
+    multiprocessing otherwise (a Queue's get, a Process's join), how many of its children are alive
+    (``[{"alive": n}]``). Ranks that wait for none of these are left out, and so is what cannot be
+    read."""
     import psutil
 
     children: dict[int, Any] = {}  # a DataLoader worker's pid -> its rank
     found: dict[Any, list[dict[str, Any]]] = {}
     for rank, (pid, stack) in ranks.items():
         loader = any(runs_in(frame, file) for frame in stack for file in (DATALOADER_FILE, *POOL_FILES))
-        if not loader and not any(runs_in(frame, CHILD_FILE) for frame in stack) and not reads_a_pipe(stack):
+        command = any(runs_in(frame, CHILD_FILE) for frame in stack) or reads_a_pipe(stack)
+        other = any(runs_in(frame, MULTIPROCESSING_FILES) for frame in stack)  # a Queue's get, a join
+        if not (loader or command or other):
             continue
         try:
             parent = psutil.Process(pid)
@@ -288,8 +300,10 @@ def children_waited_for(ranks: dict[Any, tuple[int, list[dict[str, Any]]]],
             continue
         if loader:
             children.update({child.pid: rank for child in kids})
-        else:
+        elif command:
             found[rank] = _commands_of(kids, parent)
+        else:
+            found[rank] = [{"alive": _alive(kids)}]
     for child, frames in sorted(read_stacks({pid: pid for pid in children}, timeout_s).items()):
         found.setdefault(children[child], []).append({"pid": child, "frames": frames})
     return found
@@ -298,6 +312,7 @@ def children_waited_for(ranks: dict[Any, tuple[int, list[dict[str, Any]]]],
 COMMAND_CHARS = 80  # a child's command as the diagnosis says it
 COMMANDS_SAID = 2  # the newest children a rank waits for, named
 # Python's own helper processes among a rank's children: not a command the script ran
+_PYTHON_HELPER = re.compile(r"multiprocessing\.(resource_tracker|forkserver)")
 _HELPER_PROCESS = re.compile(r"from multiprocessing\.|--multiprocessing-fork|"
                              r"multiprocessing\.(resource_tracker|forkserver)")
 
@@ -315,6 +330,22 @@ def _commands_of(kids: list[Any], parent: Any) -> list[dict[str, Any]]:
     found = [entry for child in sorted(kids, key=started, reverse=True)
              if (entry := _command_of(child, parent)) is not None]
     return found[:COMMANDS_SAID]
+
+
+def _alive(kids: list[Any]) -> int:
+    """How many of a rank's child processes could still answer it: neither ended (a zombie: dead, not
+    yet reaped by its parent's join) nor one of Python's own helpers (the resource tracker, a
+    forkserver)."""
+    import psutil
+
+    alive = 0
+    for child in kids:
+        try:
+            helper = _PYTHON_HELPER.search(" ".join(child.cmdline()))
+            alive += child.status() != psutil.STATUS_ZOMBIE and not helper
+        except psutil.Error:
+            continue
+    return alive
 
 
 def _command_of(child: Any, parent: Any) -> dict[str, Any] | None:

@@ -292,6 +292,20 @@ def _innermost(filename: str | None, line: int | None, kinds: tuple[type, ...]) 
     return max(around, key=lambda node: node.lineno, default=None)
 
 
+def exits_with_block(filename: str | None, line: int | None, called: tuple[str, int] | None,
+                     other: int | None) -> bool:
+    """Is ``line`` the header of a ``with`` statement whose block holds line ``other``, and the frame it
+    ``called`` (file, line) in its context manager's ``__exit__``: a call that runs after the block,
+    though its line comes before it?"""
+    parsed = _tree(filename)
+    if parsed is None or line is None or other is None or called is None:
+        return False
+    block = next((node for node in ast.walk(parsed[0]) if isinstance(node, (ast.With, ast.AsyncWith))
+                  and node.lineno == line and node.body[0].lineno <= other <= (node.end_lineno or 0)), None)
+    function = _innermost(called[0], called[1], (ast.FunctionDef, ast.AsyncFunctionDef))
+    return block is not None and function is not None and function.name in ("__exit__", "__aexit__")
+
+
 def in_loop_body(filename: str | None, header: int | None, line: int | None) -> bool:
     """Is ``line`` in the body of the loop whose header is at ``header``, run by its turns: not in
     its ``else`` block, nor in a function or class defined inside it?"""

@@ -18,6 +18,7 @@ from helpers.doctor.source import (
     enclosing_condition,
     enclosing_function,
     enclosing_loop,
+    exits_with_block,
     in_loop_body,
     loop_exits,
     loop_left,
@@ -72,6 +73,9 @@ _WORKER_LOOPS = {DATALOADER_WAIT: "/torch/utils/data/_utils/worker.py", POOL_WAI
                  FUTURE_WAIT: "/concurrent/futures/process.py"}
 FILE_LOCK_WAIT = "waiting for a file lock"  # a dataset or model cache's, most often (on shared storage)
 STDIN_WAIT = "waiting for input on stdin"  # a rank's line calls input()
+MULTIPROCESSING_FILES = "/multiprocessing/"  # a Queue's get, a Pipe's recv, a Process's join
+MULTIPROCESSING_WAIT = "waiting on another process (multiprocessing)"
+NONE_ALIVE = "none of its child processes is alive"
 CHILD_FILE = "/subprocess.py"  # a rank that waits in it waits for a child process it started
 CHILD_WAIT = "waiting for a child process"
 CHILD_PIPE_WAIT = CHILD_WAIT + " (reading its output through a pipe)"
@@ -147,6 +151,14 @@ KNOWN_ERRORS = [
      "the group', and 'groups should be created in the same order in all processes' (its docstring). "
      "Make the groups once, right after init_process_group, outside any branch on the rank, and pick "
      "the one a rank uses afterwards."),
+    (re.compile(re.escape(NONE_ALIVE)),
+     "The process the rank waits for through multiprocessing (a Queue's get, a Pipe's recv) has "
+     "ended, most often by an exception, while the others wait in their next collective: "
+     "multiprocessing prints its traceback in the rank's log, after a line 'Process ForkProcess-1:' "
+     "(its name). Give the wait a deadline (queue.get(timeout=S) raises queue.Empty) and check "
+     "process.exitcode when it passes, or run the work in concurrent.futures.ProcessPoolExecutor, "
+     "whose future.result() raises the worker's exception in the rank (BrokenProcessPool when a "
+     "worker dies), where the doctor names it."),
     (re.compile(re.escape(CHILD_PIPE_WAIT)),
      "The rank reads a command's output until the command writes more or ends, while the others wait "
      "in their next collective. A command that reads its standard input to the end (json.load("
@@ -467,6 +479,8 @@ def activity(rank: int, frame: dict[str, Any], stack: list[dict[str, Any]], sile
     waits = waiting_for(frame, stack)
     if waits is not None:
         busy = workers_text(workers or [], waits) if waits in _WORKER_LOOPS else ""
+        if waits == MULTIPROCESSING_WAIT and any(entry.get("alive") == 0 for entry in workers or []):
+            busy = NONE_ALIVE
         if waits.startswith(CHILD_WAIT):
             busy = "; ".join(f"{child['cmd']}, pid {child['pid']}" for child in workers or []
                              if child.get("cmd"))
@@ -507,7 +521,7 @@ _WAITS = (
     ("/queue.py", None, "waiting on a queue"),  # a queue waits on a threading Condition
     ("/threading.py", {"join", "_wait_for_tstate_lock"}, "waiting for a thread to end"),
     ("/threading.py", None, "waiting on a threading Event, Condition or Barrier"),
-    ("/multiprocessing/", None, "waiting on another process (multiprocessing)"),
+    (MULTIPROCESSING_FILES, None, MULTIPROCESSING_WAIT),
     ("/socket.py", None, NETWORK_WAIT),
     ("/ssl.py", None, NETWORK_WAIT),
     ("/http/client.py", None, NETWORK_WAIT),
@@ -889,8 +903,11 @@ def _turn_skipped_on_stacks(sites: dict[int, tuple[str, int] | None], positions:
     depth = _parting(one, other)
     if depth is None:
         return None
-    (first, early, _), (call, late, below) = sorted([(one[depth], one_ranks, one),
-                                                     (other[depth], other_ranks, other)])
+    (first, early, above), (call, late, below) = sorted([(one[depth], one_ranks, one),
+                                                         (other[depth], other_ranks, other)])
+    called = above[depth + 1] if len(above) > depth + 1 else None
+    if exits_with_block(first[0], first[1], called, call[1]):  # the earlier line is a with whose
+        (first, early), (call, late, below) = (call, late), (first, early, above)  # __exit__ runs last
     if not _one_turn_apart(first[0], first[1], call[1]):
         return None
     return TurnSkipped(sorted(early), sorted(late), first[0], enclosing_loop(*call) or 0, first[1], call[1],
