@@ -2593,6 +2593,40 @@ def test_a_with_blocks_exit_skipped_on_one_rank_is_named_on_that_rank(tmp_path, 
     leftovers.check()
 
 
+_CACHED_COUNTS = """\
+import functools
+import torch
+import torch.distributed as dist
+
+@functools.lru_cache(maxsize=None)
+def global_count(label):
+    count = torch.tensor([1.0])
+    dist.all_reduce(count)
+    return count.item()
+
+dist.init_process_group("gloo")
+labels = [[0, 1], [0, 0], [0, 0]][dist.get_rank()]
+for step in range(3):
+    weights = [global_count(label) for label in labels]
+    dist.all_reduce(torch.ones(4))
+"""
+
+
+def test_a_collective_in_a_cached_function_is_named_with_its_cache(tmp_path, leftovers):
+    # unseen j5: class counts all-reduced in an lru_cache'd function, a miss for each new class: rank
+    # 0 sees a class rank 1 does not, and its extra call meets rank 1's next one
+    script = tmp_path / "counts.py"
+    script.write_text(_CACHED_COUNTS)
+    done = _doctor_cli("--num-processes", "3", "--stall-s", "2", "--json", str(tmp_path / "d.json"), "--",
+                       str(script))
+    data = json.loads((tmp_path / "d.json").read_text())
+    assert (data["kind"], data["ranks"]) == ("collective-mismatch", [0]), done.stderr[-3000:]
+    assert ("Rank 0's call at counts.py:8 is in global_count, cached by functools' lru_cache at counts.py:5, "
+            f"{wording.CACHED}") in data["summary"], data["summary"]
+    assert data["fix"].startswith(wording.CACHED_CURE), data["fix"]
+    leftovers.check()
+
+
 _EXITS_IN_A_HELPER = """\
 import torch
 import torch.distributed as dist

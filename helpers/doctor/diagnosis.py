@@ -1130,6 +1130,8 @@ def _divergence_kind(divergence, positions, histories, views):
         summary = wording.different_lines_summary(key, present, culprits, positions)
         if wording.DECIDES_ITSELF in summary:
             return kind, culprits, summary, wording.CONDITION_CURE
+        if wording.CACHED in summary:
+            return kind, culprits, summary, wording.CACHED_CURE
         return kind, culprits, summary
     summary = wording.divergence_summary(kind, key, present, culprits, positions)
     if kind == "collective-mismatch" and (wording.LOOP_RAN_OUT in summary  # a loop ran out first

@@ -306,6 +306,22 @@ def exits_with_block(filename: str | None, line: int | None, called: tuple[str, 
     return block is not None and function is not None and function.name in ("__exit__", "__aexit__")
 
 
+_CACHES = ("lru_cache", "cache", "cached_property")  # functools' decorators that run a body once per key
+
+
+def cached_function(filename: str | None, line: int | None) -> tuple[str, int, str] | None:
+    """The function around ``line`` when a functools cache decorates it ('@functools.lru_cache',
+    '@cache', '@cached_property'), as (its name, its decorator's line, the decorator's name); None
+    otherwise. Its body runs only on a cache miss."""
+    function = _innermost(filename, line, (ast.FunctionDef, ast.AsyncFunctionDef))
+    for decorator in function.decorator_list if function is not None else []:
+        called = decorator.func if isinstance(decorator, ast.Call) else decorator
+        name = called.attr if isinstance(called, ast.Attribute) else getattr(called, "id", "")
+        if name in _CACHES:
+            return function.name, decorator.lineno, name
+    return None
+
+
 def in_loop_body(filename: str | None, header: int | None, line: int | None) -> bool:
     """Is ``line`` in the body of the loop whose header is at ``header``, run by its turns: not in
     its ``else`` block, nor in a function or class defined inside it?"""

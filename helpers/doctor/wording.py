@@ -15,6 +15,7 @@ from helpers import params
 from helpers.collectives import OBJECT_LISTS, ROOTS, canonical_op
 from helpers.doctor.records import WORLD_PG, Op, Position
 from helpers.doctor.source import (
+    cached_function,
     enclosing_condition,
     enclosing_function,
     enclosing_loop,
@@ -667,7 +668,8 @@ def different_lines_summary(key: tuple[str, int], present: dict[int, Op], culpri
         text = f"{shapes_text(each.shapes) or 'unknown shape'} {','.join(each.dtypes or [])}".strip()
         said.append((rank, text + (f" at {where}" if where else "") + extra))
     why = (_deciding_text(culprits, present, " ") or _rank_branch_text(culprits, present)
-           or _caller_branch_text(culprits, present, positions) or _next_turn(present, positions))
+           or _caller_branch_text(culprits, present, positions) or _next_turn(present, positions)
+           or _cached_text(culprits, present, positions))
     threads = "" if why else (", or a thread of their own issues collectives on the same group, in a "
                               "different order on each rank")
     why = why or swallowed_text(_at_call(each, positions.get(rank), key[1])
@@ -675,6 +677,32 @@ def different_lines_summary(key: tuple[str, int], present: dict[int, Op], culpri
     return (f"Ranks called {_op_name(op)} as collective #{key[1]} from different lines, with different "
             "shapes or dtypes: " + "; ".join(_together(said)) + ". On some ranks another call took this "
             f"number: the ranks took different paths{threads}." + why)
+
+
+CACHED = "which runs its body only when the rank's cache misses"  # in a summary: a cached collective
+CACHED_CURE = (
+    "A collective inside a cached function (functools.lru_cache, cache, cached_property) runs only "
+    "when that rank's cache misses, and each rank misses on keys of its own (its data's): the others "
+    "wait for a call it never makes, or meet another call. Take the collective out of the cached "
+    "function, or fill the cache for every key on every rank first (one collective over all of them: "
+    "all the classes at once), so that later calls are hits everywhere.")
+
+
+def _cached_text(culprits: list[int], present: dict[int, Op], positions: dict[int, Position]) -> str:
+    """' Rank 2's call at train.py:34 is in global_count, cached by functools' lru_cache at
+    train.py:31, which runs its body only when the rank's cache misses...' for a culprit whose call
+    (or a function on its way there) a functools cache decorates; '' otherwise."""
+    for rank in culprits:
+        op, pos = present.get(rank), positions.get(rank)
+        frames = [(op.file, op.line)] if op is not None and op.file else []
+        frames += [(file, line) for file, line, _where in reversed(pos.callers if pos else [])]
+        for file, line in frames:
+            found = cached_function(file, line)
+            if found is not None:
+                name, decorator, cache = found
+                return (f" Rank {rank}'s call at {op.where} is in {name}, cached by functools' {cache} at "
+                        f"{Path(file).name}:{decorator}, {CACHED}, and each rank misses on keys of its own.")
+    return ""
 
 
 def _caller_branch_text(culprits: list[int], present: dict[int, Op], positions: dict[int, Position]) -> str:
