@@ -2627,6 +2627,37 @@ def test_a_collective_in_a_cached_function_is_named_with_its_cache(tmp_path, lef
     leftovers.check()
 
 
+_SHARD_CONDITION = """\
+import torch
+import torch.distributed as dist
+
+dist.init_process_group("gloo")
+records = list(range(10)) + [None, None]
+per = len(records) // dist.get_world_size()
+start = dist.get_rank() * per
+local = records[start:start + per]
+unlabeled = [r for r in local if r is None]
+if unlabeled:
+    dist.barrier()
+dist.all_reduce(torch.ones(2))
+"""
+
+
+def test_a_condition_on_a_value_computed_from_the_ranks_shard_is_one_each_rank_decides(tmp_path, leftovers):
+    # unseen j7: 'if unlabeled:' from a filter of the rank's slice of the records (its start from the
+    # rank): only the last rank's slice holds unlabeled records
+    script = tmp_path / "shard.py"
+    script.write_text(_SHARD_CONDITION)
+    done = _doctor_cli("--num-processes", "3", "--stall-s", "2", "--json", str(tmp_path / "d.json"), "--",
+                       str(script))
+    data = json.loads((tmp_path / "d.json").read_text())
+    assert (data["kind"], data["ranks"]) == ("collective-mismatch", [2]), done.stderr[-3000:]
+    said = f"under 'if unlabeled:' at shard.py:10, {wording.DECIDES_ITSELF}"
+    assert said in data["summary"], data["summary"]
+    assert data["fix"].startswith(wording.CONDITION_CURE), data["fix"]
+    leftovers.check()
+
+
 _EXITS_IN_A_HELPER = """\
 import torch
 import torch.distributed as dist

@@ -667,7 +667,7 @@ def different_lines_summary(key: tuple[str, int], present: dict[int, Op], culpri
         where, extra = _where_now(each, positions.get(rank), key[1])
         text = f"{shapes_text(each.shapes) or 'unknown shape'} {','.join(each.dtypes or [])}".strip()
         said.append((rank, text + (f" at {where}" if where else "") + extra))
-    why = (_deciding_text(culprits, present, " ") or _rank_branch_text(culprits, present)
+    why = (_deciding_text(culprits, present, " ", positions) or _rank_branch_text(culprits, present)
            or _caller_branch_text(culprits, present, positions) or _next_turn(present, positions)
            or _cached_text(culprits, present, positions))
     threads = "" if why else (", or a thread of their own issues collectives on the same group, in a "
@@ -765,13 +765,15 @@ def issued_from_cpp_at(pos: Position) -> str:
     return "issued outside Python (no Python wrapper saw it)"
 
 
-def _deciding_text(culprits: list[int], present: dict[int, Op], form: str) -> str:
-    """The one condition on a per-rank value around the culprits' calls (``decided_per_rank``):
-    form ' ' gives a sentence ('The calls of ranks 0 and 3 are under ..., a condition each rank
-    decides for itself.'), form '(' a parenthesis (' (their calls are under ...)'); '' when there is
-    none."""
-    deciding = {(op.file, found) for rank in culprits if (op := present.get(rank)) is not None
-                and (found := decided_per_rank(op.file, op.line))}
+def _deciding_text(culprits: list[int], present: dict[int, Op], form: str,
+                   positions: dict[int, Position] | None = None) -> str:
+    """The one condition on a per-rank value around the culprits' calls (``decided_per_rank``; the
+    user's line that made a call DDP issued, from ``positions``): form ' ' gives a sentence ('The
+    calls of ranks 0 and 3 are under ..., a condition each rank decides for itself.'), form '(' a
+    parenthesis (' (their calls are under ...)'); '' when there is none."""
+    sites = [_site(op, (positions or {}).get(rank)) for rank in culprits if (op := present.get(rank))]
+    deciding = {(site[0], found) for site in sites if site is not None
+                and (found := decided_per_rank(*site))}
     if len(deciding) != 1:
         return ""
     file, found = deciding.pop()
@@ -859,7 +861,7 @@ def _different_path(present: dict[int, Op], culprits: list[int], positions: dict
         said = [f"{_calls_of(ranks)} under {test}" for test, ranks in tests.items()]
         inside = f" ({'; '.join(said)})" if said else ""
     if not inside:  # one condition on a per-rank value around the culprits' calls
-        inside = _deciding_text(culprits, present, "(")
+        inside = _deciding_text(culprits, present, "(", positions)
     if not inside:  # one side went round its loop without the other side's call
         inside = _next_turn(present, positions)
         if inside:
@@ -1322,12 +1324,32 @@ def _under_condition(file: str | None, line: int | None) -> str:
 
 def decided_per_rank(file: str | None, line: int | None) -> tuple[int, str, str] | None:
     """The innermost ``if`` around a line when its test is on a value each rank computes for itself
-    (its loss, the clock, a random draw: ``_PER_RANK``); None otherwise, and for a test on the rank
-    (``rank_condition`` names that branch as one on the rank)."""
+    (its loss, the clock, a random draw: ``_PER_RANK``), or on one the function computes from the
+    rank's own share of the data ('if unlabeled:' from 'unlabeled = [r for r in local if ...]' from
+    'local = records[start:start + per]' from 'start = accelerator.process_index * per':
+    ``_read_through``); None otherwise, and for a test on the rank (``rank_condition`` names that
+    branch as one on the rank)."""
     found = enclosing_condition(file, line)
-    if found is None or mentions_rank(found[1]) or not _per_rank_value(found[1]):
+    if found is None or mentions_rank(found[1]):
         return None
-    return found
+    if _per_rank_value(found[1]) or any(mentions_rank(text) or _per_rank_value(text)
+                                        for text in _read_through(file, found[0], found[1])):
+        return found
+    return None
+
+
+READ_DEPTH = 4  # assignments followed back from a condition's names (a shard, a filter of it, its length)
+
+
+def _read_through(file: str | None, line: int, test: str) -> list[str]:
+    """The values that give a condition's names their values in its function, followed back
+    ``READ_DEPTH`` assignments (``values_read`` of each)."""
+    seen: list[str] = []
+    frontier = [test]
+    for _ in range(READ_DEPTH):
+        frontier = [text for each in frontier for text in values_read(file, line, each) if text not in seen]
+        seen.extend(frontier)
+    return seen
 
 
 DECIDES_ITSELF = "a condition each rank decides for itself"
