@@ -24,8 +24,9 @@ report: $(STAMP)
 
 # Two pytest workers, a test file each at a time (--dist loadfile: a module's fixtures, such as the
 # catalog run once for all its cases, are not run again on the other worker; a notebook's cells
-# share its kernel). The tests mostly run ranks that wait; two at once keep CI's two cores busy:
-# 15.5 min instead of 22.5 (and 20 min is the bound), the notebooks 76 s instead of 110. Each
+# share its kernel). Two at once keep CI's two cores about 90% busy, mostly with torch's import
+# in each fresh rank and agent (2.5 s of CPU each: tests share runs where that changes nothing
+# tested): 17 min, the notebooks 84 s (and 20 min is the bound for all of make test). Each
 # worker has its own temp folder, and the leftover checks look at their own worker's children,
 # ports and temp folder alone.
 test: $(STAMP)
