@@ -290,7 +290,8 @@ def children_waited_for(ranks: dict[Any, tuple[int, list[dict[str, Any]]]],
     for rank, (pid, stack) in ranks.items():
         loader = any(runs_in(frame, file) for frame in stack for file in (DATALOADER_FILE, *POOL_FILES))
         command = any(runs_in(frame, CHILD_FILE) for frame in stack) or reads_a_pipe(stack)
-        other = any(runs_in(frame, MULTIPROCESSING_FILES) for frame in stack)  # a Queue's get, a join
+        # a Queue's get, a join: multiprocessing's code innermost (a forked rank's own start is outermost)
+        other = bool(stack) and runs_in(stack[-1], MULTIPROCESSING_FILES)
         if not (loader or command or other):
             continue
         try:

@@ -242,7 +242,7 @@ class Doctor(Watcher):
         diagnosis.evidence.started, diagnosis.evidence.stall_start = self.started, stall_start
         if diagnosis.kind == "ok":  # every rank finished meanwhile: a late rank, not a hang
             self.passed.add(f"progress stopped for {_since(since):.1f} s ({reason}), then every rank "
-                               "went on and finished while their stacks were gathered")
+                            "went on and finished while their stacks were gathered")
             return
         if reason == "stall" and stall_ended(diagnosis):  # its collective completed as the stacks came
             self.passed.add(stall_ended_note(_since(since)))

@@ -700,7 +700,9 @@ def _cached_text(culprits: list[int], present: dict[int, Op], positions: dict[in
             found = cached_function(file, line)
             if found is not None:
                 name, decorator, cache = found
-                return (f" Rank {rank}'s call at {op.where} is in {name}, cached by functools' {cache} at "
+                first = f"{Path(frames[0][0] or '').name}:{frames[0][1]}"  # the call's line, or its caller's
+                where = (op.where if op is not None else None) or first
+                return (f" Rank {rank}'s call at {where} is in {name}, cached by functools' {cache} at "
                         f"{Path(file).name}:{decorator}, {CACHED}, and each rank misses on keys of its own.")
     return ""
 
@@ -1330,7 +1332,7 @@ def decided_per_rank(file: str | None, line: int | None) -> tuple[int, str, str]
     ``_read_through``); None otherwise, and for a test on the rank (``rank_condition`` names that
     branch as one on the rank)."""
     found = enclosing_condition(file, line)
-    if found is None or mentions_rank(found[1]):
+    if found is None or mentions_rank(found[1]) or rank_condition(file, line) == found:
         return None
     if _per_rank_value(found[1]) or any(mentions_rank(text) or _per_rank_value(text)
                                         for text in _read_through(file, found[0], found[1])):
