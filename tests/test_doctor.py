@@ -2487,12 +2487,14 @@ sys.exit(0)
 """
 
 
-def _diagnosed_script(tmp_path, name: str, text: str) -> tuple[subprocess.CompletedProcess, dict]:
-    """``text`` written as ``name`` and run on 2 ranks under the doctor's CLI: its run and JSON."""
+def _diagnosed_script(tmp_path, name: str, text: str, num_processes: int = 2
+                      ) -> tuple[subprocess.CompletedProcess, dict]:
+    """``text`` written as ``name`` and run on ``num_processes`` ranks under the doctor's CLI: its
+    run and JSON."""
     script = tmp_path / name
     script.write_text(text)
-    done = _doctor_cli("--num-processes", "2", "--stall-s", "2", "--json", str(tmp_path / "d.json"), "--",
-                       str(script))
+    done = _doctor_cli("--num-processes", str(num_processes), "--stall-s", "2", "--json",
+                       str(tmp_path / "d.json"), "--", str(script))
     return done, json.loads((tmp_path / "d.json").read_text())
 
 
@@ -2615,11 +2617,7 @@ for step in range(3):
 def test_a_collective_in_a_cached_function_is_named_with_its_cache(tmp_path, leftovers):
     # unseen j5: class counts all-reduced in an lru_cache'd function, a miss for each new class: rank
     # 0 sees a class rank 1 does not, and its extra call meets rank 1's next one
-    script = tmp_path / "counts.py"
-    script.write_text(_CACHED_COUNTS)
-    done = _doctor_cli("--num-processes", "3", "--stall-s", "2", "--json", str(tmp_path / "d.json"), "--",
-                       str(script))
-    data = json.loads((tmp_path / "d.json").read_text())
+    done, data = _diagnosed_script(tmp_path, "counts.py", _CACHED_COUNTS, num_processes=3)
     assert (data["kind"], data["ranks"]) == ("collective-mismatch", [0]), done.stderr[-3000:]
     assert ("Rank 0's call at counts.py:8 is in global_count, cached by functools' lru_cache at counts.py:5, "
             f"{wording.CACHED}") in data["summary"], data["summary"]
@@ -2646,11 +2644,7 @@ dist.all_reduce(torch.ones(2))
 def test_a_condition_on_a_value_computed_from_the_ranks_shard_is_one_each_rank_decides(tmp_path, leftovers):
     # unseen j7: 'if unlabeled:' from a filter of the rank's slice of the records (its start from the
     # rank): only the last rank's slice holds unlabeled records
-    script = tmp_path / "shard.py"
-    script.write_text(_SHARD_CONDITION)
-    done = _doctor_cli("--num-processes", "3", "--stall-s", "2", "--json", str(tmp_path / "d.json"), "--",
-                       str(script))
-    data = json.loads((tmp_path / "d.json").read_text())
+    done, data = _diagnosed_script(tmp_path, "shard.py", _SHARD_CONDITION, num_processes=3)
     assert (data["kind"], data["ranks"]) == ("collective-mismatch", [2]), done.stderr[-3000:]
     said = f"under 'if unlabeled:' at shard.py:10, {wording.DECIDES_ITSELF}"
     assert said in data["summary"], data["summary"]
