@@ -26,7 +26,7 @@ report: $(STAMP)
 # catalog run once for all its cases, are not run again on the other worker; a notebook's cells
 # share its kernel). Two at once keep CI's two cores about 90% busy, mostly with torch's import
 # in each fresh rank and agent (2.5 s of CPU each: tests share runs where that changes nothing
-# tested): 17 min, the notebooks 84 s (and 20 min is the bound for all of make test). Each
+# tested): 17 min, the notebooks 75 to 85 s (and 20 min is the bound for all of make test). Each
 # worker has its own temp folder, and the leftover checks look at their own worker's children,
 # ports and temp folder alone.
 test: $(STAMP)
