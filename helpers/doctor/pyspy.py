@@ -312,10 +312,10 @@ def children_waited_for(ranks: dict[Any, tuple[int, list[dict[str, Any]]]],
 
 COMMAND_CHARS = 80  # a child's command as the diagnosis says it
 COMMANDS_SAID = 2  # the newest children a rank waits for, named
-# Python's own helper processes among a rank's children: not a command the script ran
+# Python's own helper processes among a rank's children (the resource tracker, a forkserver): none
+# could answer a rank; with multiprocessing's spawned workers, none is a command the script ran
 _PYTHON_HELPER = re.compile(r"multiprocessing\.(resource_tracker|forkserver)")
-_HELPER_PROCESS = re.compile(r"from multiprocessing\.|--multiprocessing-fork|"
-                             r"multiprocessing\.(resource_tracker|forkserver)")
+_HELPER_PROCESS = re.compile(r"from multiprocessing\.|--multiprocessing-fork|" + _PYTHON_HELPER.pattern)
 
 
 def _commands_of(kids: list[Any], parent: Any) -> list[dict[str, Any]]:

@@ -167,7 +167,7 @@ KNOWN_ERRORS = [
      "open: proc.communicate(input, timeout=S) writes the input, closes the pipe, reads the output and "
      "sets a deadline, as does subprocess.run(..., input=..., timeout=S); Python's subprocess docs "
      "advise communicate() over .stdin.write and .stdout.read, which can deadlock on full pipes."),
-    (re.compile(re.escape(CHILD_WAIT) + r"(?! \(reading)"),
+    (re.compile(re.escape(CHILD_WAIT) + f"(?!{re.escape(CHILD_PIPE_WAIT.removeprefix(CHILD_WAIT))})"),
      "The rank waits for a command it started, while the others wait in their next collective. Give "
      "the call a deadline: subprocess.run(..., timeout=S) kills the command and raises "
      "TimeoutExpired, an error the doctor names (with shell=True it kills the shell, and what the "
