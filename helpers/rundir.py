@@ -22,6 +22,7 @@ from __future__ import annotations
 import os
 import pickle
 import signal
+import struct
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -33,12 +34,24 @@ PID_PREFIX = "pid-"
 DIAGNOSIS_NAME = "diagnosis.json"
 TMP_NAME = "tmp"
 # what the doctor keeps of a run (--keep), and what a new record replaces
-KEPT_PATTERNS = ("trace-*.jsonl", "state-*.json", "stack-*.txt", DIAGNOSIS_NAME)
+KEPT_PATTERNS = ("trace-*.jsonl", "current-*.bin", "state-*.json", "stack-*.txt", DIAGNOSIS_NAME)
 
 
 def trace_path(run_dir: str | Path, rank: int) -> Path:
     """The rank's record of operations (JSON lines)."""
     return Path(run_dir) / f"trace-{rank}.jsonl"
+
+
+# a rank's small call in progress, in place in current-<rank>.bin: its sequence number (0 once it
+# returned, -1 for a call with none) and the id of the first call from its line with as many bytes
+# (whose record is on file: written before it ran); helpers.trace.tracer writes it, the doctor reads it
+CURRENT = struct.Struct("<qq")
+
+
+def current_path(run_dir: str | Path, rank: int) -> Path:
+    """The rank's call in progress (``CURRENT``): a call whose record was still queued when the rank
+    died is known from it."""
+    return Path(run_dir) / f"current-{rank}.bin"
 
 
 def state_path(run_dir: str | Path, rank: int) -> Path:
@@ -101,7 +114,8 @@ def clear_rank_record(folder: str | Path, rank: int) -> None:
     temporary file that a killed process left)."""
     state = state_path(folder, rank)
     cut_off = list(Path(folder).glob(f".{state.name}.*.tmp"))
-    for path in (trace_path(folder, rank), state, stack_path(folder, rank), *cut_off):
+    for path in (trace_path(folder, rank), current_path(folder, rank), state, stack_path(folder, rank),
+                 *cut_off):
         Path(path).unlink(missing_ok=True)
 
 

@@ -22,7 +22,7 @@ from conftest import marker_line
 
 from helpers import collectives, doctor, procs, repro, rundir, scenarios
 from helpers.doctor import diagnosis as diagnosis_module
-from helpers.doctor import runs, source, wording
+from helpers.doctor import postmortem, runs, source, wording
 from helpers.launch import LaunchTimeout, RankError, RankExited, launch
 
 HERE = Path(__file__).name
@@ -2113,14 +2113,62 @@ def _metric_error_swallowed_on_one_rank():
             pass
 
 
-def test_a_collective_in_a_try_whose_except_swallows_a_ranks_error_is_named_with_that_except(leftovers):
+def test_a_collective_in_a_try_whose_except_swallows_a_ranks_error_is_named_with_that_except(
+        leftovers, tmp_path):
     # rank 1's ZeroDivisionError skips the metric's all_reduce there alone; its next all_reduce of 8
-    # floats meets rank 0's metric of 1: gloo aborts rank 0, or the calls are read as they differ
-    found = _failed_run(_metric_error_swallowed_on_one_rank)
+    # floats meets rank 0's metric of 1: gloo aborts rank 0, and the calls are read as they differ
+    found = _failed_run(_metric_error_swallowed_on_one_rank, keep_dir=tmp_path)
+    said = (f"The all_reduce at {HERE}:{_line('swallowed metric')} is in a try whose 'except Exception:' at "
+            f"{HERE}:{_line('swallowed metric') + 1} {wording.SWALLOWED}")
     assert found.kind == "collective-mismatch", found.text()
-    assert (f"The all_reduce at {HERE}:{_line('swallowed metric')} is in a try whose 'except Exception:' at "
-            f"{HERE}:{_line('swallowed metric') + 1} {wording.SWALLOWED}") in found.summary, found.summary
+    assert said in found.summary, found.summary
     assert found.fix.startswith(wording.SWALLOW_CURE), found.fix
+    leftovers.check()
+    # the metric's record was still queued as gloo aborted rank 0, and once in CI its stack dump was
+    # cut short by a second fault (SIGSEGV) before the main thread's: the call it noted names it
+    dump = rundir.stack_path(tmp_path, 0)
+    text = dump.read_text()
+    assert text.startswith("Fatal Python error: Aborted"), text
+    dump.write_text(text[:text.index("Thread 0x", text.index("Thread 0x") + 1)])
+    again = postmortem.diagnose_dir(tmp_path, 2, exit_codes={0: -signal.SIGSEGV})
+    assert again.kind == "collective-mismatch" and said in again.summary, again.text()
+    assert ("killed by SIGABRT (then SIGSEGV, a second fault as its stack was dumped) inside all_reduce at "
+            f"{HERE}:{_line('swallowed metric')}") in again.summary, again.summary
+
+
+def _killed_in_a_call_whose_record_is_queued():
+    import torch
+    import torch.distributed as dist
+
+    from helpers import rundir
+    from helpers.trace import tracer
+
+    pids = [0, 0]
+    dist.all_gather_object(pids, os.getpid())
+    group = dist.distributed_c10d._get_default_group()
+    for step in range(3):
+        dist.all_reduce(torch.ones(8))
+        if dist.get_rank() == 0 and step == 2:  # once rank 1 is in its metric call: its record queued
+            noted = rundir.current_path(tracer.current.run_dir, 1)
+            expected = group._get_sequence_number_for_group() + 1
+            deadline = time.monotonic() + 30
+            while time.monotonic() < deadline:  # a condition with a deadline
+                seq, _first = rundir.CURRENT.unpack_from(noted.read_bytes())
+                if seq == expected:
+                    os.kill(pids[1], signal.SIGKILL)
+                    break
+        dist.all_reduce(torch.ones(1))  # line: metric while killed
+
+
+def test_a_rank_killed_in_a_call_whose_record_was_still_queued_is_named_in_that_call(leftovers):
+    # a metric's all_reduce from a line seen before is queued, not written before it runs: the
+    # call in progress, noted in place, names it though no stack was dumped (SIGKILL) and the
+    # record died with the rank (as when gloo aborts a rank and its stack dump is cut short)
+    found = _failed_run(_killed_in_a_call_whose_record_is_queued)
+    assert found.ranks == [1], found.text()
+    assert f"Rank 1 was killed by SIGKILL inside all_reduce at {HERE}:{_line('metric while killed')}" \
+        in found.summary, found.summary
+    assert found.per_rank[1].seq == 8, found.per_rank[1]  # all_gather_object's two, then 2 per step
     leftovers.check()
 
 

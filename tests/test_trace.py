@@ -162,6 +162,39 @@ def test_an_isend_or_irecv_ends_once_waited_for_not_when_posted(tmp_path, leftov
     leftovers.check()
 
 
+def _small_calls_noted_in_place():
+    import torch
+    import torch.distributed as dist
+
+    from helpers import rundir, trace
+    from helpers.trace import tracer
+
+    rank = dist.get_rank()
+    note = rundir.current_path(tracer.current.run_dir, rank)
+    seen = []
+    for _ in range(3):
+        dist.all_reduce(torch.ones(8))
+        dist.all_reduce(torch.ones(1))  # line: metric noted
+        seen.append(rundir.CURRENT.unpack_from(note.read_bytes()))
+    dist.all_reduce(torch.ones(2 ** 17))  # 512 KiB: never noted (RUN_BYTES)
+    dist.all_reduce(torch.ones(2 ** 17))
+    seen.append(rundir.CURRENT.unpack_from(note.read_bytes()))
+    trace.flush()
+    return seen, _records_on_file(rank)
+
+
+def test_a_small_call_is_noted_in_place_by_the_first_call_like_it_and_cleared_on_return(tmp_path, leftovers):
+    # what the doctor reads when a rank died with the call's record still queued (read_current)
+    results = launch(_small_calls_noted_in_place, num_processes=2, timeout_s=60,
+                     watchers=[doctor.Doctor(30, keep_dir=tmp_path)])
+    for seen, records in results:
+        first = next(r["id"] for r in records if r["ev"] == "op" and r["line"] == _line("metric noted"))
+        assert seen[0] == (0, 0), seen  # the first call from a line is written before it runs instead
+        assert seen[1:] == [(0, first)] * 3, (seen, first)  # noted, then its number cleared on return
+    assert sorted(p.name for p in tmp_path.glob("current-*")) == ["current-0.bin", "current-1.bin"]
+    leftovers.check()
+
+
 def _killed_as_a_slow_call_returns():
     import torch.distributed as dist
 

@@ -453,9 +453,12 @@ def _position_of(view: RankView) -> Position:
                           "gloo's abort prints 'Fatal Python error' and where it was in its log")
         if not any(not op.async_ for op in view.open.values()):
             pos.op = pos.seq = None  # its last progress note may be stale: do not guess an op
-            dying = _dying_call(view)  # unless the stack dumped at its fatal signal shows it in one
+            dying = _dying_call(view)  # unless it noted the call it died in, or the stack dumped
+            if view.current is not None and view.current.thread is None:  # at its fatal signal shows one
+                dying = view.current
             if dying is not None:
-                pos.op, (pos.where, pos.file, pos.line) = dying, (dying.where, dying.file, dying.line)
+                pos.op, pos.seq = dying, dying.seq
+                pos.where, pos.file, pos.line = dying.where, dying.file, dying.line
         last = next((op for op in reversed(view.python_ops()) if op.where), None)
         if pos.op is None and last is not None:
             pos.where, pos.file, pos.line = last.where, last.file, last.line
@@ -993,6 +996,8 @@ def _numbered_divergence_now(positions: dict[int, Position]):
         names = {canonical_op(op.op) for op in present.values()}
         if len(present) < 2 or len(names) > 1 or names & MULTI_OPS:
             continue  # one op by both sources' names: Python's all_gather_object is FR's all_gather
+        if any(op.shapes is None for op in present.values()):
+            continue  # a call a dead rank noted in place (``read_current``): its shapes unknown
         groups = _grouped(present)
         if len(groups) > 1:
             return key, groups, present

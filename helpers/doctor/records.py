@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import json
 from collections import deque
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -120,6 +120,7 @@ class RankView:
     completed: dict[str, int] = field(default_factory=dict)  # per group, the highest number seen to end
     posted: int | None = None  # the id of a call known from its start alone, posted before it ran (job)
     unheard: bool = False  # a job's rank that never posted a heartbeat: still starting, or never started
+    current: Op | None = None  # the call it died in, its record still queued (``read_current``)
 
     def apply(self, event: dict[str, Any]) -> None:
         """Fold one trace record into the view."""
@@ -263,6 +264,43 @@ def read_new_records(view: RankView, path: Path) -> None:
     fold(view, data)
 
 
+def read_current(view: RankView, folder: str | Path) -> None:
+    """For a rank that has ended: the call it was in as it died, noted in place (``rundir.CURRENT``)
+    when that call's record was still queued, not on file (gloo aborts a rank within milliseconds
+    of a size mismatch): ``view.current``. Its op, group and line are those of the first call from
+    its line with as many bytes (its record in the rank's trace); its shapes are unknown (as many
+    bytes may be another shape), and so is its peer or root (a loop may change it)."""
+    try:
+        data = rundir.current_path(folder, view.rank).read_bytes()
+    except OSError:
+        return
+    if len(data) < rundir.CURRENT.size:
+        return
+    seq, first_id = rundir.CURRENT.unpack_from(data)
+    if seq <= 0:  # returned (or no number to place it by)
+        return
+    first = view.ops.get(first_id) or _record_of(rundir.trace_path(folder, view.rank), first_id)
+    if first is None or any(op.pg == first.pg and (op.seq or 0) >= seq for op in view.python_ops()):
+        return  # on file
+    view.current = replace(first, seq=seq, shapes=None, dtypes=None, out=None, start=None, end=None,
+                           ok=None, error=None, peer=None, root=None, splits=None, batch=None, inferred=False)
+
+
+def _record_of(trace: Path, op_id: int) -> Op | None:
+    """The start of call ``op_id`` in a trace file (one ``RankView`` keeps the latest KEPT_OPS)."""
+    marker = f'"id":{op_id},'.encode()
+    try:
+        with open(trace, "rb") as handle:
+            line = next((line for line in handle if marker in line and b'"ev":"op"' in line), None)
+    except OSError:
+        return None
+    if line is None:
+        return None
+    view = RankView(-1)
+    fold(view, line)
+    return view.ops.get(op_id)
+
+
 def fold(view: RankView, data: bytes) -> list[dict[str, Any]]:
     """Fold newly appended trace bytes into ``view``; returns the complete records read."""
     view.offset += len(data)
@@ -355,6 +393,7 @@ def read_folder(folder: str | Path, ranks: range, strict: bool = False,
         else:
             read_new_records(view, rundir.trace_path(folder, rank))
             view.state = _lenient_json(rundir.state_path(folder, rank))
+        read_current(view, folder)
         view.stack_text = read_text(rundir.stack_path(folder, rank))
         views[rank] = view
     return views

@@ -22,7 +22,7 @@ from helpers import params, report, rundir, trace
 from helpers.collectives import INIT_OP
 from helpers.doctor.diagnosis import Diagnosis, diagnose, main_stack
 from helpers.doctor.loading import ImportWatch, LookNotes, stall_ended, stall_ended_note
-from helpers.doctor.records import RankView, read_new_records, read_text
+from helpers.doctor.records import RankView, read_current, read_new_records, read_text
 from helpers.launch import LaunchError, LaunchTimeout, RankError, RankExited, Run, Watcher, rank_failure
 
 DEFAULT_STALL_S = 30.0
@@ -114,11 +114,14 @@ class Doctor(Watcher):
     def _refresh(self, run: Run) -> None:
         for rank in range(run.num_processes):
             view = self.views.setdefault(rank, RankView(rank))
-            read_new_records(view, rundir.trace_path(run.run_dir, rank))
             code = run.exit_codes.get(rank)
             if code is None and rank in run.processes and run.processes[rank].exitcode is not None:
                 code = run.processes[rank].exitcode
-            if code is not None or rank in run.exit_codes:
+            ended = code is not None or rank in run.exit_codes  # before its records: all of them on file
+            read_new_records(view, rundir.trace_path(run.run_dir, rank))
+            if ended:
+                if not view.ended:  # once: nothing more comes from a process that has ended
+                    read_current(view, run.run_dir)
                 view.ended, view.exit_code = True, code
 
     def _read_states(self, run: Run, request: str | None) -> None:

@@ -18,7 +18,8 @@ The calling thread queues each call's record; the helper thread writes the queue
 ``FLUSH_S`` (what costs is the record's text after a collective, not the write: see
 ``helpers.trace.tracer``). What is written survives the rank being killed; a call that outlasts a
 flush is on file while it runs; an exception or an exit writes the queue first; a rank killed
-outright (SIGKILL) loses at most its last ``FLUSH_S`` of calls.
+outright (SIGKILL) loses at most its last ``FLUSH_S`` of calls, and a small call it was in is noted
+in place in ``current-<rank>.bin`` (the doctor names the call a rank died in by it).
 The call site is the first frame outside torch, accelerate, helpers and the standard library;
 ``__main__`` (the script being run) and ``helpers.scenarios`` are user code; a function defined in
 a notebook cell shows as ``Cell In[n], line m``.

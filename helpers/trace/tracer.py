@@ -20,8 +20,9 @@ call from a line with a tensor of a new size, and a call that makes a line's run
 longer than ever (one per key of a dict with an extra key), are written before they run (gloo
 aborts a process within milliseconds when the ranks' sizes differ), and the record's text is handed
 to ``on_first`` when set (the job's doctor posts it to the job's store: the file dies with the
-rank). A rank killed outright (SIGKILL) loses its last ``FLUSH_S`` of calls at most; an exception,
-an exit and every other record write the queue out first.
+rank). A rank killed outright (SIGKILL) loses its last ``FLUSH_S`` of calls at most, though a small
+call it was in stays known: the calling thread notes it in place (``rundir.CURRENT``, a page that
+outlives the process); an exception, an exit and every other record write the queue out first.
 """
 
 from __future__ import annotations
@@ -31,6 +32,7 @@ import functools
 import inspect
 import itertools
 import json
+import mmap
 import operator
 import os
 import re
@@ -65,6 +67,27 @@ _SECONDS = "%.6f"  # a record's times: printf's formatting takes half the time o
 _NO_SEQ_END = object()  # an end without "seq_end" (only calls that issue several collectives have one)
 
 
+def _call_notes(path: Path | None) -> memoryview:
+    """Where the calling thread notes a small call in progress (``rundir.CURRENT``): two int64s in a
+    shared mapping of ``path`` (its page outlives the process), or in memory of its own when there
+    is no file (nothing reads it). A queued record dies with a rank that gloo aborts within
+    milliseconds of a size mismatch, and the stack faulthandler dumps then can be cut short by a
+    second fault (cpython#116008): the note names the call. Two stores into a memoryview cost the
+    calling thread 2.5 us per call at 4 KiB in bench/doctor_bench.py's turns (``--against``), where
+    ``struct.pack_into`` through a partial cost 15 (its objects are cold lines after a collective);
+    large calls (over ``RUN_BYTES``) are not noted: 0 us at 1 MiB."""
+    if path is None:
+        place = mmap.mmap(-1, rundir.CURRENT.size)
+    else:
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o600)
+        try:
+            os.ftruncate(fd, rundir.CURRENT.size)
+            place = mmap.mmap(fd, rundir.CURRENT.size)
+        finally:
+            os.close(fd)
+    return memoryview(place).cast("q")
+
+
 class Tracer:
     """Writes one rank's records; wraps torch.distributed; runs the helper thread."""
 
@@ -89,6 +112,7 @@ class Tracer:
         self.on_first: Callable[[str], None] | None = None  # told each first call's record text
         self.closed = False
         self.joined = False  # init_process_group returned (through torch.distributed's own name)
+        self.notes = _call_notes(rundir.current_path(run_dir, rank) if run_dir is not None else None)
 
     def write(self, record: dict[str, Any], wait: bool = True) -> bool:
         """Write the queue, then ``record`` (it is on file when this returns True); ``wait=False``:
@@ -252,6 +276,7 @@ class Tracer:
         self.unwaited.clear()
         self.running = []
         self.lock = threading.RLock()
+        self.notes = _call_notes(None)  # the parent's file is the parent's
 
     def patch(self) -> None:
         """Wrap the operations in ``torch.distributed`` and ``distributed_c10d`` (internal calls too;
@@ -600,7 +625,7 @@ _TRACED_SOURCE = """def make(original, plan, caller, now, world, sequence, inner
         queue.append(item)
         nbytes = getattr(tensors, "nbytes", None)
         last = plan.last
-        signature = None
+        signature = noted = None  # noted: the id of the first call like it, when it is noted in place
         try:
             if code is last[1] and offset == last[2] and group is last[0] and nbytes == last[3]:
                 first = False  # the op's last call again (a loop's next): no signature to look up
@@ -609,20 +634,29 @@ _TRACED_SOURCE = """def make(original, plan, caller, now, world, sequence, inner
                         plan.start_run(seq)  # more on this rank); another collective came between
                     plan.run_seq = seq if seq is not None else -2
                     first = seq == plan.run_limit and plan.longer()
+                    noted = last[5]
             else:
                 signature = (id(group), id(code), offset, nbytes)
-                first = signature not in seen  # the first call from this site with this many bytes
+                known = seen.get(signature)  # the id of the first call from this site with this many bytes
+                first = known is None
                 if not first:
-                    plan.arrive(signature, (group, code, offset, nbytes), seq)
+                    plan.arrive(signature, (group, code, offset, nbytes), seq, known)
+                    if plan.last[4]:
+                        noted = known
         except Exception:  # an unhashable or odd "nbytes" (not a tensor's): a first every time
             first = True
         if first:
+            noted = None
             tracer.flush()  # on file before the call: gloo aborts the process at once on a size mismatch
             if tracer.on_first is not None:  # and posted where the job's doctor reads it (job.py)
                 tracer.on_first(_record_text(item))
-            plan.remember(signature)  # once on file: another thread's same call may skip its write
+            plan.remember(signature, op_id)  # once on file: another thread's same call may skip its write
             if signature is not None:
-                plan.arrive(signature, (group, code, offset, nbytes), seq)
+                plan.arrive(signature, (group, code, offset, nbytes), seq, op_id)
+        elif noted is not None:  # a small call: its record may still be queued if gloo aborts the rank
+            notes = tracer.notes  # (rundir.CURRENT)
+            notes[1] = noted
+            notes[0] = seq if seq is not None else -1
         try:
             result = original($call)
         except BaseException as exc:
@@ -636,6 +670,8 @@ _TRACED_SOURCE = """def make(original, plan, caller, now, world, sequence, inner
         if $multi and seq is not None:
             item[$SEQ_END] = _sequence(group if group is not None else world._default_pg)
         item[$ENDED] = now()  # its end, if the helper has not written the start yet
+        if noted is not None:
+            notes[0] = 0  # returned
         if item[$ON_FILE]:  # it has (see ``Tracer._drain``)
             queue.append(($END, op_id, item[$ENDED], item[$SEQ_END]))
             tracer.flush()
@@ -714,9 +750,10 @@ class _Plan:
         # read into the peer's place: all_to_all_single's split sizes, a batch's sends and receives
         self.computed = _split_sizes if name in SPLIT_OPS else _batch_parts if name == BATCH_OP else None
         self.computed_field = "batch" if name == BATCH_OP else "splits"
-        self.seen: set[tuple] = set()  # (group, code, offset, nbytes) of the calls made
-        # the last call's (group, code, offset, nbytes, whether its run is followed: small tensors)
-        self.last: tuple = (None, None, None, None, False)
+        self.seen: dict[tuple, int] = {}  # (group, code, offset, nbytes) of the calls made: the first's id
+        # the last call's (group, code, offset, nbytes, whether its run is followed and it is noted
+        # in place: small tensors, the id of the first call with its signature)
+        self.last: tuple = (None, None, None, None, False, 0)
         # the last call's run of calls in a row (at consecutive sequence numbers): its site, the
         # site's longest run before, the run's last number, and the number that makes it longer
         self.site: tuple | None = None
@@ -751,14 +788,15 @@ class _Plan:
         return [("group", self.group), ("async_op", self.async_op), ("compared", self.compared),
                 ("peer", self.peer_at)]
 
-    def arrive(self, signature: tuple, last: tuple, seq: int | None) -> None:
+    def arrive(self, signature: tuple, last: tuple, seq: int | None, first_id: int) -> None:
         """A call from another site than the last one's (``last``: its group, code, offset and byte
-        count): its run starts. Followed for small tensors only (a metric's): followed at every size,
-        the run's reads and write cost 1.1-1.9 us of CPU per call at 1 MiB in bench/doctor_bench.py's
-        turns against the wrapper before (0.004-0.019 of the call); gated, -0.3 to +1.1 us (noise)."""
+        count; ``first_id``: the id of the first call with its signature): its run starts. Followed
+        for small tensors only (a metric's): followed at every size, the run's reads and write cost
+        1.1-1.9 us of CPU per call at 1 MiB in bench/doctor_bench.py's turns against the wrapper
+        before (0.004-0.019 of the call); gated, -0.3 to +1.1 us (noise)."""
         nbytes = last[3]
         small = type(nbytes) is int and nbytes <= RUN_BYTES
-        self.last, self.site = (*last, small), signature
+        self.last, self.site = (*last, small, first_id), signature
         self.longest = self.runs.get(signature, 1) if small else 1  # (small: a hashable signature)
         self.start_run(seq)
         self.run_seq = seq if seq is not None else -2
@@ -779,9 +817,9 @@ class _Plan:
         self.runs[self.site] = self.longest
         return True
 
-    def remember(self, signature: tuple | None) -> None:
+    def remember(self, signature: tuple | None, op_id: int) -> None:
         """Note a call's signature (the group, the code and the call's offset in it, the compared
-        tensor's bytes): the wrapper writes the first call of each before it runs.
+        tensor's bytes) and its id: the wrapper writes the first call of each before it runs.
 
         Bytes, not shapes: gloo aborts the process when the ranks' byte counts differ, and
         ``nbytes`` is one attribute where shape and dtype are two objects to make and hash.
@@ -791,7 +829,7 @@ class _Plan:
         if len(self.seen) >= _SEEN_KEPT:
             self.seen.clear()
         try:
-            self.seen.add(signature)
+            self.seen[signature] = op_id
         except TypeError:  # unhashable: never remembered
             pass
 
