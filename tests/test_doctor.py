@@ -2136,6 +2136,31 @@ def test_a_collective_in_a_try_whose_except_swallows_a_ranks_error_is_named_with
             f"{HERE}:{_line('swallowed metric')}") in again.summary, again.summary
 
 
+def test_a_swallowed_metric_that_four_ranks_went_past_is_named_with_its_except_and_not_as_waited_in():
+    # the same script as a 2 x 2 torchrun job under the doctor: gloo paired rank 3's 8 floats with the
+    # others' metric of 1 without aborting anyone, the others went on to #5 and rank 3 waits in #4
+    # (the records as the job's leader read them)
+    def record(op_id: int, line: int, floats: int, done: bool) -> dict:
+        return {"ev": "op", "id": op_id, "op": "all_reduce", "pg": "0", "seq": op_id, "shapes": [[floats]],
+                "dtypes": ["float32"], "file": __file__, "line": line, "where": f"{HERE}:{line}",
+                "t": 10.0 + op_id, **({"te": 10.5 + op_id, "ok": True} if done else {})}
+
+    grads, metric = (_line("grads before the metric"), 8), (_line("swallowed metric"), 1)
+    views = {}
+    for rank in range(4):
+        calls = [grads, metric, grads, *([metric, grads] if rank != 3 else [grads])]
+        views[rank] = doctor.RankView(rank)
+        for op_id, (line, floats) in enumerate(calls, start=1):
+            views[rank].apply(record(op_id, line, floats, done=op_id < len(calls)))
+    found = doctor.diagnose(views, 4, "stall", 5.0)
+    assert (found.kind, found.ranks) == ("collective-mismatch", [3]), found.text()
+    assert (f"without the all_reduce at {HERE}:{metric[0]} that the others issued as #4 "
+            f"(its next turn, or the loop run anew). The all_reduce at {HERE}:{metric[0]} is in a try whose "
+            f"'except Exception:' at {HERE}:{metric[0] + 1} {wording.SWALLOWED}") in found.summary, \
+        found.summary
+    assert found.fix.startswith(wording.SWALLOW_CURE), found.fix
+
+
 def _killed_in_a_call_whose_record_is_queued():
     import torch
     import torch.distributed as dist

@@ -968,13 +968,16 @@ def _next_turn(present: dict[int, Op], positions: dict[int, Position]) -> str:
     waited = present[late[0]]
     at = (f"at {waited.where} (from the call at {name}:{call_line})" if inner and waited.where
           else f"at {name}:{call_line}")
+    past = all((pos := positions.get(rank)) is not None and None not in (pos.seq, waited.seq)
+               and pos.seq > waited.seq for rank in late)  # paired with the skipping ranks' next call
+    waits = f"{'waits' if len(late) == 1 else 'wait'} in" if not past else f"issued as #{waited.seq}"
     text = (f" {ranks_text(early)} {'have' if several else 'has'} {LATER_TURN} {name}:{header} again "
-            f"without the {_op_name(waited)} {at} that "
-            f"{_others_text(late)} {'waits' if len(late) == 1 else 'wait'} in (its next turn, or the "
+            f"without the {_op_name(waited)} {at} that {_others_text(late)} {waits} (its next turn, or the "
             "loop run anew).")
     guard = enclosing_condition(file, call_line)
     if guard is not None and guard[0] > header:
         text += f" {UNDER_GUARD} {_branch_words(guard, file)}."
+    text += _swallowed_at(waited, file, call_line, f"{name}:{call_line}")  # an error caught skipped it
     return text + loop_exits_text(file, header, call_line, after=first) + _returns_before_text(inner)
 
 
@@ -1295,15 +1298,22 @@ def swallowed_text(positions: Iterable[Position | None]) -> str:
     """' The all_reduce at train.py:26 is in a try whose 'except Exception:' at train.py:28 swallows
     what it catches: ...' for the first of these ranks' calls in such a try; '' when none is."""
     for pos in positions:
-        if pos is None or pos.op is None or not pos.file:
-            continue
-        found = swallowing_handler(pos.file, pos.line)
-        if found is not None:
-            return (f" The {_op_name(pos.op)}{_at(pos)} is in a try whose '{found[1]}' at "
-                    f"{Path(pos.file).name}:{found[0]} {SWALLOWED}: an error raised in that try on one rank "
-                    "before the call (computing its argument, say) skips the call on that rank alone, "
-                    "silently, and it goes on to its next collective.")
+        if pos is not None and pos.op is not None and pos.file:
+            said = _swallowed_at(pos.op, pos.file, pos.line, pos.where)
+            if said:
+                return said
     return ""
+
+
+def _swallowed_at(op: Op, file: str, line: int | None, where: str | None) -> str:
+    """``swallowed_text`` of one call: ``op`` at ``file``:``line`` (shown as ``where``)."""
+    found = swallowing_handler(file, line)
+    if found is None:
+        return ""
+    return (f" The {_op_name(op)}{f' at {where}' if where else ''} is in a try whose '{found[1]}' at "
+            f"{Path(file).name}:{found[0]} {SWALLOWED}: an error raised in that try on one rank before the "
+            "call (computing its argument, say) skips the call on that rank alone, silently, and it goes "
+            "on to its next collective.")
 
 
 def _deciding_condition(pos: Position) -> str:
