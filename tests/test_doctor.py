@@ -22,7 +22,7 @@ from conftest import marker_line
 
 from helpers import collectives, doctor, procs, repro, rundir, scenarios
 from helpers.doctor import diagnosis as diagnosis_module
-from helpers.doctor import postmortem, runs, source, wording
+from helpers.doctor import postmortem, records, runs, source, wording
 from helpers.launch import LaunchTimeout, RankError, RankExited, launch
 
 HERE = Path(__file__).name
@@ -2134,6 +2134,32 @@ def test_a_collective_in_a_try_whose_except_swallows_a_ranks_error_is_named_with
     assert again.kind == "collective-mismatch" and said in again.summary, again.text()
     assert ("killed by SIGABRT (then SIGSEGV, a second fault as its stack was dumped) inside all_reduce at "
             f"{HERE}:{_line('swallowed metric')}") in again.summary, again.summary
+    # a note that disagrees with a whole dump (another line's call): the dump says where it died
+    dump.write_text(text)
+    rundir.current_path(tmp_path, 0).write_bytes(rundir.CURRENT.pack(4, 1))  # #4 as the grads' call
+    whole = postmortem.diagnose_dir(tmp_path, 2, exit_codes={0: -signal.SIGABRT})
+    assert f"Rank 0 was killed by SIGABRT inside all_reduce at {HERE}:{_line('swallowed metric')}" \
+        in whole.summary, whole.text()
+
+
+def test_a_shape_mismatch_of_two_ranks_is_found_beside_a_dead_ranks_noted_call_of_unknown_shape():
+    # rank 0 died in #2 with its record queued: its call is known from its note, without shapes
+    def record(op_id: int, line: int, floats: int, done: bool) -> dict:
+        return {"ev": "op", "id": op_id, "op": "all_reduce", "pg": "0", "seq": op_id, "shapes": [[floats]],
+                "dtypes": ["float32"], "file": "/x/train.py", "line": line, "where": f"train.py:{line}",
+                "t": 10.0 + op_id, **({"te": 10.5 + op_id, "ok": True} if done else {})}
+
+    views = {rank: doctor.RankView(rank) for rank in range(3)}
+    for rank, floats in ((1, 8), (2, 6)):
+        views[rank].apply(record(1, 5, 4, done=True))
+        views[rank].apply(record(2, 7, floats, done=False))
+    views[0].apply(record(1, 5, 4, done=True))
+    views[0].ended, views[0].exit_code = True, -signal.SIGKILL
+    views[0].current = records.Op(op="all_reduce", seq=2, where="train.py:7", file="/x/train.py", line=7,
+                                  source=records.NOTED)
+    found = doctor.diagnose(views, 3, "failure", 5.0)
+    assert (found.kind, found.ranks) == ("shape-mismatch", [1, 2]), found.text()
+    assert found.per_rank[0].seq == 2 and found.per_rank[0].location == "train.py:7", found.per_rank[0]
 
 
 def test_a_swallowed_metric_that_four_ranks_went_past_is_named_with_its_except_and_not_as_waited_in():

@@ -176,8 +176,18 @@ def _small_calls_noted_in_place():
         dist.all_reduce(torch.ones(8))
         dist.all_reduce(torch.ones(1))  # line: metric noted
         seen.append(rundir.CURRENT.unpack_from(note.read_bytes()))
-    dist.all_reduce(torch.ones(2 ** 17))  # 512 KiB: never noted (RUN_BYTES)
-    dist.all_reduce(torch.ones(2 ** 17))
+
+    def unnoted(async_op: bool) -> None:  # each line's second and third calls are noted unless...
+        for _ in range(3):
+            dist.all_reduce(torch.ones(2 ** 17))  # 512 KiB: large (RUN_BYTES)
+            work = dist.all_reduce(torch.ones(2), async_op=async_op)  # async: it returns before it is done
+            if work is not None:
+                work.wait()
+
+    unnoted(async_op=True)
+    other = threading.Thread(target=unnoted, args=(False,))
+    other.start()  # another thread's calls (the main thread's are the doctor's)
+    other.join()
     seen.append(rundir.CURRENT.unpack_from(note.read_bytes()))
     trace.flush()
     return seen, _records_on_file(rank)

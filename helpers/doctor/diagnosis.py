@@ -32,7 +32,7 @@ from helpers.collectives import (
     canonical_op,
 )
 from helpers.doctor import wording
-from helpers.doctor.records import KEPT_OPS, WORLD_PG, Evidence, Op, Position, RankView, fr_op
+from helpers.doctor.records import KEPT_OPS, NOTED, WORLD_PG, Evidence, Op, Position, RankView, fr_op
 from helpers.doctor.source import (
     enclosing_condition,
     enclosing_function,
@@ -453,9 +453,10 @@ def _position_of(view: RankView) -> Position:
                           "gloo's abort prints 'Fatal Python error' and where it was in its log")
         if not any(not op.async_ for op in view.open.values()):
             pos.op = pos.seq = None  # its last progress note may be stale: do not guess an op
-            dying = _dying_call(view)  # unless it noted the call it died in, or the stack dumped
-            if view.current is not None and view.current.thread is None:  # at its fatal signal shows one
-                dying = view.current
+            dying = _dying_call(view)  # unless the stack dumped at its fatal signal shows it in one,
+            noted = view.current  # or it noted the call it died in (the same line's: its number)
+            if noted is not None and (dying is None or (dying.file, dying.line) == (noted.file, noted.line)):
+                dying = noted
             if dying is not None:
                 pos.op, pos.seq = dying, dying.seq
                 pos.where, pos.file, pos.line = dying.where, dying.file, dying.line
@@ -996,8 +997,9 @@ def _numbered_divergence_now(positions: dict[int, Position]):
         names = {canonical_op(op.op) for op in present.values()}
         if len(present) < 2 or len(names) > 1 or names & MULTI_OPS:
             continue  # one op by both sources' names: Python's all_gather_object is FR's all_gather
-        if any(op.shapes is None for op in present.values()):
-            continue  # a call a dead rank noted in place (``read_current``): its shapes unknown
+        present = {rank: op for rank, op in present.items() if op.source != NOTED}  # shapes unknown
+        if len(present) < 2:
+            continue
         groups = _grouped(present)
         if len(groups) > 1:
             return key, groups, present
@@ -1543,7 +1545,8 @@ def _aborted_on_different_calls(exited: list[int], positions: dict[int, Position
     dead = positions[exited[0]]
     others = [p for p in positions.values() if p.rank != dead.rank]
     if not others or any(p.op is None or not (p.state == "in-collective" or p.victim)
-                         or (None not in (p.seq, dead.seq) and p.seq != dead.seq) for p in others):
+                         or (None not in (p.seq, dead.seq) and p.op.pg == dead.op.pg and p.seq != dead.seq)
+                         for p in others):
         return None  # some rank was in no collective, or (by their numbers) in another one
     different = [p.rank for p in others if not _same_call_as(dead, p)]
     if not different:

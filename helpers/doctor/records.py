@@ -24,6 +24,7 @@ KEPT_OPS = 4096  # Python-level records kept per rank in memory
 
 
 WORLD_PG = "0"  # the default group's name in the records and the Flight Recorder
+NOTED = "noted"  # an Op's source when it is a call a dead rank noted in place (``read_current``)
 
 @dataclass
 class Op:
@@ -283,7 +284,8 @@ def read_current(view: RankView, folder: str | Path) -> None:
     if first is None or any(op.pg == first.pg and (op.seq or 0) >= seq for op in view.python_ops()):
         return  # on file
     view.current = replace(first, seq=seq, shapes=None, dtypes=None, out=None, start=None, end=None,
-                           ok=None, error=None, peer=None, root=None, splits=None, batch=None, inferred=False)
+                           ok=None, error=None, peer=None, root=None, splits=None, batch=None, inferred=False,
+                           source=NOTED)
 
 
 def _record_of(trace: Path, op_id: int) -> Op | None:

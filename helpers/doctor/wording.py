@@ -968,8 +968,9 @@ def _next_turn(present: dict[int, Op], positions: dict[int, Position]) -> str:
     waited = present[late[0]]
     at = (f"at {waited.where} (from the call at {name}:{call_line})" if inner and waited.where
           else f"at {name}:{call_line}")
-    past = all((pos := positions.get(rank)) is not None and None not in (pos.seq, waited.seq)
-               and pos.seq > waited.seq for rank in late)  # paired with the skipping ranks' next call
+    past = all((pos := positions.get(rank)) is not None and pos.op is not None and pos.op.pg == waited.pg
+               and None not in (pos.seq, waited.seq) and pos.seq > waited.seq
+               for rank in late)  # paired with the skipping ranks' next call
     waits = f"{'waits' if len(late) == 1 else 'wait'} in" if not past else f"issued as #{waited.seq}"
     text = (f" {ranks_text(early)} {'have' if several else 'has'} {LATER_TURN} {name}:{header} again "
             f"without the {_op_name(waited)} {at} that {_others_text(late)} {waits} (its next turn, or the "

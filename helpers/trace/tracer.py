@@ -72,10 +72,13 @@ def _call_notes(path: Path | None) -> memoryview:
     shared mapping of ``path`` (its page outlives the process), or in memory of its own when there
     is no file (nothing reads it). A queued record dies with a rank that gloo aborts within
     milliseconds of a size mismatch, and the stack faulthandler dumps then can be cut short by a
-    second fault (cpython#116008): the note names the call. Two stores into a memoryview cost the
-    calling thread 2.5 us per call at 4 KiB in bench/doctor_bench.py's turns (``--against``), where
-    ``struct.pack_into`` through a partial cost 15 (its objects are cold lines after a collective);
-    large calls (over ``RUN_BYTES``) are not noted: 0 us at 1 MiB."""
+    second fault (cpython#116008): the note names the call. The main thread's blocking calls alone
+    are noted (an async call returns before it is done; one page serves one thread). In
+    bench/doctor_bench.py's turns against the wrapper before (``--against``), the note and its
+    checks cost the calling thread 4.0-4.4 us per call at 4 KiB (traced/untraced 1.058-1.059
+    against 1.044-1.054); the stores alone 2.5, where ``struct.pack_into`` through a partial cost 15
+    (its objects are cold lines after a collective). Large calls (over ``RUN_BYTES``) are not noted:
+    at 1 MiB, +0.7 to +1.4 us, within the noise of a run."""
     if path is None:
         place = mmap.mmap(-1, rundir.CURRENT.size)
     else:
@@ -113,6 +116,7 @@ class Tracer:
         self.closed = False
         self.joined = False  # init_process_group returned (through torch.distributed's own name)
         self.notes = _call_notes(rundir.current_path(run_dir, rank) if run_dir is not None else None)
+        self.main_thread = threading.main_thread().ident  # the thread whose calls are noted in place
 
     def write(self, record: dict[str, Any], wait: bool = True) -> bool:
         """Write the queue, then ``record`` (it is on file when this returns True); ``wait=False``:
@@ -277,6 +281,7 @@ class Tracer:
         self.running = []
         self.lock = threading.RLock()
         self.notes = _call_notes(None)  # the parent's file is the parent's
+        self.main_thread = threading.get_ident()  # the thread that forked
 
     def patch(self) -> None:
         """Wrap the operations in ``torch.distributed`` and ``distributed_c10d`` (internal calls too;
@@ -641,7 +646,7 @@ _TRACED_SOURCE = """def make(original, plan, caller, now, world, sequence, inner
                 first = known is None
                 if not first:
                     plan.arrive(signature, (group, code, offset, nbytes), seq, known)
-                    if plan.last[4]:
+                    if type(nbytes) is int and nbytes <= $RUN_BYTES:
                         noted = known
         except Exception:  # an unhashable or odd "nbytes" (not a tensor's): a first every time
             first = True
@@ -654,12 +659,17 @@ _TRACED_SOURCE = """def make(original, plan, caller, now, world, sequence, inner
             if signature is not None:
                 plan.arrive(signature, (group, code, offset, nbytes), seq, op_id)
         elif noted is not None:  # a small call: its record may still be queued if gloo aborts the rank
-            notes = tracer.notes  # (rundir.CURRENT)
-            notes[1] = noted
-            notes[0] = seq if seq is not None else -1
+            if blocking and item[$THREAD] == tracer.main_thread:  # (an async call returns at once)
+                notes = tracer.notes  # (rundir.CURRENT)
+                notes[1] = noted
+                notes[0] = seq if seq is not None else -1
+            else:
+                noted = None
         try:
             result = original($call)
         except BaseException as exc:
+            if noted is not None:
+                notes[0] = 0  # its record is written next
             tracer.write({"ev": "end", "id": op_id, "t": now(), "ok": False,
                           "error": f"{type(exc).__name__}: {exc}"[:800]})
             item[$ENDED] = now()  # after its start left the queue: it is no longer running
@@ -690,7 +700,8 @@ def _traced_text(arguments: dict[str, str]) -> str:
     """``_TRACED_SOURCE`` for an op: its ``arguments`` (``_Plan.argument_texts``), and the
     constants the queue's items are read by, as literals."""
     return string.Template(_TRACED_SOURCE).substitute(
-        arguments, OP=_OP, END=_END, ENDED=_ENDED, SEQ_END=_SEQ_END, ON_FILE=_ON_FILE, QUEUE_MAX=QUEUE_MAX)
+        arguments, OP=_OP, END=_END, ENDED=_ENDED, SEQ_END=_SEQ_END, ON_FILE=_ON_FILE, THREAD=_THREAD,
+        QUEUE_MAX=QUEUE_MAX, RUN_BYTES=RUN_BYTES)
 
 
 def _sequence_reader() -> Callable[[Any], int]:
