@@ -2144,16 +2144,9 @@ def test_a_collective_in_a_try_whose_except_swallows_a_ranks_error_is_named_with
 
 def test_a_shape_mismatch_of_two_ranks_is_found_beside_a_dead_ranks_noted_call_of_unknown_shape():
     # rank 0 died in #2 with its record queued: its call is known from its note, without shapes
-    def record(op_id: int, line: int, floats: int, done: bool) -> dict:
-        return {"ev": "op", "id": op_id, "op": "all_reduce", "pg": "0", "seq": op_id, "shapes": [[floats]],
-                "dtypes": ["float32"], "file": "/x/train.py", "line": line, "where": f"train.py:{line}",
-                "t": 10.0 + op_id, **({"te": 10.5 + op_id, "ok": True} if done else {})}
-
-    views = {rank: doctor.RankView(rank) for rank in range(3)}
-    for rank, floats in ((1, 8), (2, 6)):
-        views[rank].apply(record(1, 5, 4, done=True))
-        views[rank].apply(record(2, 7, floats, done=False))
-    views[0].apply(record(1, 5, 4, done=True))
+    views = {rank: _all_reduces(rank, "/x/train.py", [(5, 4), (7, floats)])
+             for rank, floats in ((1, 8), (2, 6))}
+    views[0] = _all_reduces(0, "/x/train.py", [(5, 4)], last_done=True)
     views[0].ended, views[0].exit_code = True, -signal.SIGKILL
     views[0].current = records.Op(op="all_reduce", seq=2, where="train.py:7", file="/x/train.py", line=7,
                                   source=records.NOTED)
@@ -2162,23 +2155,85 @@ def test_a_shape_mismatch_of_two_ranks_is_found_beside_a_dead_ranks_noted_call_o
     assert found.per_rank[0].seq == 2 and found.per_rank[0].location == "train.py:7", found.per_rank[0]
 
 
+def _all_reduces(rank: int, file: str, calls: list[tuple[int, int]],
+                 last_done: bool = False) -> doctor.RankView:
+    """A rank's view of its all_reduces of float32 (line, floats), numbered from 1, as its records
+    say: each ended but its last (unless ``last_done``), which it waits in."""
+    view = doctor.RankView(rank)
+    for op_id, (line, floats) in enumerate(calls, start=1):
+        done = last_done or op_id < len(calls)
+        view.apply({"ev": "op", "id": op_id, "op": "all_reduce", "pg": "0", "seq": op_id,
+                    "shapes": [[floats]], "dtypes": ["float32"], "file": file, "line": line,
+                    "where": f"{Path(file).name}:{line}", "t": 10.0 + op_id,
+                    **({"te": 10.5 + op_id, "ok": True} if done else {})})
+    return view
+
+
+_METRIC_AFTER_BATCHES = """\
+import torch
+import torch.distributed as dist
+def train(batches, positives):
+    for epoch in range(3):
+        for batch in batches:
+            dist.all_reduce(batch)
+        try:
+            recall = torch.tensor([1.0 / positives[epoch]])
+            dist.all_reduce(recall)
+        except ZeroDivisionError:
+            print("no positives in this shard")
+"""
+
+
+def test_a_rank_that_skipped_a_swallowed_metric_after_a_batch_loop_is_told_of_the_except_too(tmp_path):
+    # rank 3's shard has no positives in epoch 1: its metric skipped, it waits in epoch 2's first
+    # batch while the others wait in the metric (as the job's leader read it, k5 of a blind batch)
+    path = tmp_path / "train.py"
+    path.write_text(_METRIC_AFTER_BATCHES)
+    batch, metric = (6, 8), (9, 1)
+    found = doctor.diagnose({rank: _all_reduces(rank, str(path), [batch, batch, metric, batch, batch, *(
+        [metric] if rank != 3 else [batch])]) for rank in range(4)}, 4, "stall", 5.0)
+    assert found.ranks == [3], found.text()
+    assert "have left the loop at train.py:5 that rank 3 is still in" in found.summary, found.summary
+    assert ("The all_reduce at train.py:9 is in a try whose 'except ZeroDivisionError:' at train.py:10 "
+            f"{wording.SWALLOWED}") in found.summary, found.summary
+    assert found.fix.startswith(wording.SWALLOW_CURE), found.fix
+
+
+_STOPS_ON_ITS_OWN_LOSS = """\
+import torch
+import torch.distributed as dist
+def train(batches, losses):
+    for epoch in range(9):
+        for batch in batches:
+            dist.all_reduce(batch)
+        if losses[epoch] < 0.1:
+            break
+    dist.all_reduce(torch.tensor([losses[epoch]]))
+"""
+
+
+def test_a_rank_whose_own_loss_broke_its_loop_is_told_so_when_its_next_call_has_another_shape(tmp_path):
+    # rank 1's loss fell under its target after epoch 0: its final all_reduce of 1 float took the
+    # number of the others' next batch of 17 (k1 of a blind batch, as the job's leader read it)
+    path = tmp_path / "train.py"
+    path.write_text(_STOPS_ON_ITS_OWN_LOSS)
+    batch, final = (6, 17), (9, 1)
+    calls = {rank: [batch, batch, final if rank == 1 else batch] for rank in range(4)}
+    found = doctor.diagnose({rank: _all_reduces(rank, str(path), calls[rank]) for rank in range(4)}, 4,
+                            "stall", 5.0)
+    assert found.ranks == [1], found.text()
+    assert "Rank 1 has left the loop at train.py:4 that the others are still in" in found.summary, \
+        found.summary
+    assert "the break at train.py:8 (if losses[epoch] < 0.1)" in found.summary, found.summary
+
+
 def test_a_swallowed_metric_that_four_ranks_went_past_is_named_with_its_except_and_not_as_waited_in():
     # the same script as a 2 x 2 torchrun job under the doctor: gloo paired rank 3's 8 floats with the
     # others' metric of 1 without aborting anyone, the others went on to #5 and rank 3 waits in #4
     # (the records as the job's leader read them)
-    def record(op_id: int, line: int, floats: int, done: bool) -> dict:
-        return {"ev": "op", "id": op_id, "op": "all_reduce", "pg": "0", "seq": op_id, "shapes": [[floats]],
-                "dtypes": ["float32"], "file": __file__, "line": line, "where": f"{HERE}:{line}",
-                "t": 10.0 + op_id, **({"te": 10.5 + op_id, "ok": True} if done else {})}
-
     grads, metric = (_line("grads before the metric"), 8), (_line("swallowed metric"), 1)
-    views = {}
-    for rank in range(4):
-        calls = [grads, metric, grads, *([metric, grads] if rank != 3 else [grads])]
-        views[rank] = doctor.RankView(rank)
-        for op_id, (line, floats) in enumerate(calls, start=1):
-            views[rank].apply(record(op_id, line, floats, done=op_id < len(calls)))
-    found = doctor.diagnose(views, 4, "stall", 5.0)
+    found = doctor.diagnose({rank: _all_reduces(rank, __file__, [grads, metric, grads, *(
+        [metric, grads] if rank != 3 else [grads])]) for rank in range(4)}, 4, "stall", 5.0)
     assert (found.kind, found.ranks) == ("collective-mismatch", [3]), found.text()
     assert (f"without the all_reduce at {HERE}:{metric[0]} that the others issued as #4 "
             f"(its next turn, or the loop run anew). The all_reduce at {HERE}:{metric[0]} is in a try whose "
@@ -3468,6 +3523,14 @@ def metrics(x):
     except BaseException:
         def later():
             raise
+    try:
+        reduce(x)
+    except (ZeroDivisionError, KeyError):
+        print("no positives in this shard")
+    try:
+        reduce(x)
+    except StopIteration:
+        pass
 """
 
 
@@ -3491,6 +3554,11 @@ def test_the_loop_left_and_a_swallowing_except_are_read_from_the_source_as_they_
     assert source.swallowing_handler(str(path), at("reduce(x)", 2)) is None
     assert source.swallowing_handler(str(path), at("reduce(x)", 3)) == (at("except BaseException:"),
                                                                         "except BaseException:")
+    # an error named (a metric's division by zero, a missing key) is swallowed too; the end of an
+    # iterator is not an error
+    named = "except (ZeroDivisionError, KeyError):"
+    assert swallowing(str(path), at("reduce(x)", 4)) == (at(named), named)
+    assert swallowing(str(path), at("reduce(x)", 5)) is None
 
 
 _RETRIES = """\

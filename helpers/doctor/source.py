@@ -419,12 +419,15 @@ _ENDS_PROCESS = {"exit", "_exit", "quit", "abort"}  # sys.exit, os._exit, exit()
 
 
 def _catches_errors(handler: ast.ExceptHandler) -> bool:
-    """Does it catch any error (a bare except, Exception, BaseException, or a tuple with one), as
-    a computation's ZeroDivisionError or KeyError would be caught?"""
+    """Does it catch an error a computation raises: any (a bare except, Exception, BaseException),
+    or one named as an error ('except ZeroDivisionError:' around a metric's division, KeyError,
+    ValueError; a tuple with one)? Not StopIteration or KeyboardInterrupt, which end a loop or the
+    run on purpose."""
     if handler.type is None:
         return True
-    names = handler.type.elts if isinstance(handler.type, ast.Tuple) else [handler.type]
-    return any(_text(name).rsplit(".", 1)[-1] in _CATCH_ALL for name in names)
+    types = handler.type.elts if isinstance(handler.type, ast.Tuple) else [handler.type]
+    names = [_text(each).rsplit(".", 1)[-1] for each in types]
+    return any(name in _CATCH_ALL or name.endswith("Error") for name in names)
 
 
 def _leaves(handler: ast.ExceptHandler) -> bool:

@@ -843,11 +843,8 @@ def _different_path(present: dict[int, Op], culprits: list[int], positions: dict
     culprits on either side: the ranks with more batches may be the fewer): a loop ran out first on
     some ranks, most often a DataLoader with fewer batches. Else ' Rank 2 took a different path
     from the others.' (' The ranks took different paths here.' when every rank is named)"""
-    sites = {rank: _site(op, positions.get(rank)) for rank, op in present.items()}
-    mine = sorted(rank for rank in culprits if rank in present)
     others = sorted(rank for rank in present if rank not in culprits)
-    left = (_left_loop(sites, mine, others, "the others", positions)
-            or _left_loop(sites, others, mine, ranks_text(mine), positions))
+    left = _loop_left_text(present, culprits, positions)
     if left:
         return left
     if not others:  # no side is the common path: every rank's call is as likely the odd one
@@ -870,6 +867,17 @@ def _different_path(present: dict[int, Op], culprits: list[int], positions: dict
             return inside
     swallowed = "" if inside else swallowed_text(positions.get(rank) for rank in present)
     return f" {ranks_text(culprits)} took a different path from {_others_text(others)}{inside}.{swallowed}"
+
+
+def _loop_left_text(present: dict[int, Op], culprits: list[int], positions: dict[int, Position]) -> str:
+    """``_left_loop``'s sentence, the culprits as the leavers or as the stayers, and the except that
+    swallows errors around the leavers' call when there is one (the stayers may have skipped it)."""
+    sites = {rank: _site(op, positions.get(rank)) for rank, op in present.items()}
+    mine = sorted(rank for rank in culprits if rank in present)
+    others = sorted(rank for rank in present if rank not in culprits)
+    left = (_left_loop(sites, mine, others, "the others", positions)
+            or _left_loop(sites, others, mine, ranks_text(mine), positions))
+    return left + swallowed_text(positions.get(rank) for rank in present) if left else ""
 
 
 class TurnSkipped(NamedTuple):
