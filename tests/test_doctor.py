@@ -2156,12 +2156,12 @@ def test_a_shape_mismatch_of_two_ranks_is_found_beside_a_dead_ranks_noted_call_o
 
 
 def _all_reduces(rank: int, file: str, calls: list[tuple[int, int]],
-                 last_done: bool = False) -> doctor.RankView:
-    """A rank's view of its all_reduces of float32 (line, floats), numbered from 1, as its records
-    say: each ended but its last (unless ``last_done``), which it waits in."""
+                 last_done: bool = False, first: int = 1) -> doctor.RankView:
+    """A rank's view of its all_reduces of float32 (line, floats), numbered from ``first``, as its
+    records say: each ended but its last (unless ``last_done``), which it waits in."""
     view = doctor.RankView(rank)
-    for op_id, (line, floats) in enumerate(calls, start=1):
-        done = last_done or op_id < len(calls)
+    for op_id, (line, floats) in enumerate(calls, start=first):
+        done = last_done or op_id < first + len(calls) - 1
         view.apply({"ev": "op", "id": op_id, "op": "all_reduce", "pg": "0", "seq": op_id,
                     "shapes": [[floats]], "dtypes": ["float32"], "file": file, "line": line,
                     "where": f"{Path(file).name}:{line}", "t": 10.0 + op_id,
@@ -2225,6 +2225,64 @@ def test_a_rank_whose_own_loss_broke_its_loop_is_told_so_when_its_next_call_has_
     assert "Rank 1 has left the loop at train.py:4 that the others are still in" in found.summary, \
         found.summary
     assert "the break at train.py:8 (if losses[epoch] < 0.1)" in found.summary, found.summary
+
+
+_METRICS_AFTER_BATCHES = """\
+import torch.distributed as dist
+def train(batches, metrics, val_batches):
+    for epoch in range(3):
+        for batch in batches:
+            dist.all_reduce(batch)
+        for name in sorted(metrics):
+            dist.all_reduce(metrics[name])
+        for batch in val_batches:
+            dist.all_reduce(batch)
+"""
+
+
+def test_a_rank_whose_metric_loop_ran_an_extra_turn_is_named_with_that_loop_not_the_batch_loop(tmp_path):
+    # only rank 2's shard has a class the others lack: its dict of per-class metrics has one key more
+    # and its loop over it issues a 4th all_reduce while the others have come round to the next
+    # epoch's batches (k8 of a blind batch, as the job's leader read it): rank 2 never left the batch
+    # loop, so that is not the loop to name
+    path = tmp_path / "train.py"
+    path.write_text(_METRICS_AFTER_BATCHES)
+    batch, metric = (5, 6), (7, 2)
+    calls = {rank: [batch, batch, metric, metric, metric, metric if rank == 2 else batch]
+             for rank in range(4)}
+    found = doctor.diagnose({rank: _all_reduces(rank, str(path), calls[rank]) for rank in range(4)}, 4,
+                            "stall", 5.0)
+    assert (found.kind, found.ranks) == ("collective-mismatch", [2]), found.text()
+    assert ("Ranks 0, 1 and 3 have left the loop at train.py:6 after 3 calls of all_reduce at train.py:7 "
+            "and come round to train.py:5; rank 2 is still in it, issuing call 4 there: their loops "
+            f"{wording.LOOP_RAN_OUT}. Its header ('for name in sorted(metrics):') must give every rank as "
+            "many turns.") in found.summary, found.summary
+    assert "loop at train.py:4" not in found.summary, found.summary
+    assert found.fix.startswith(wording.KEYED_LOOP_CURE), found.fix
+    # the calls of rank 2's run of metrics that are not on record: no count is given
+    found = doctor.diagnose({rank: _all_reduces(rank, str(path), calls[rank])
+                             for rank in range(4)} | {2: _all_reduces(2, str(path), calls[2][-3:], first=4)},
+                            4, "stall", 5.0)
+    assert ("Ranks 0, 1 and 3 have left the loop at train.py:6 after their calls of all_reduce at train.py:7 "
+            "in a row and come round to train.py:5; rank 2 is still in it, issuing it once more") \
+        in found.summary, found.summary
+
+
+def test_a_rank_whose_validation_loop_ran_out_first_is_said_to_have_left_it_not_the_batch_loop(tmp_path):
+    # rank 3's validation shard is a batch short: it left the validation loop after 2 reduces and
+    # waits in the next epoch's first batch, while the others reduce their 3rd (k6 of a blind batch)
+    path = tmp_path / "train.py"
+    path.write_text(_METRICS_AFTER_BATCHES)
+    batch, val = (5, 6), (9, 2)
+    calls = {rank: [batch, batch, val, val, batch if rank == 3 else val] for rank in range(4)}
+    found = doctor.diagnose({rank: _all_reduces(rank, str(path), calls[rank]) for rank in range(4)}, 4,
+                            "stall", 5.0)
+    assert (found.kind, found.ranks) == ("collective-mismatch", [3]), found.text()
+    assert ("Rank 3 has left the loop at train.py:8 after 2 calls of all_reduce at train.py:9 and come "
+            "round to train.py:5; ranks 0, 1 and 2 are still in it, issuing call 3 there: its loop "
+            f"{wording.LOOP_RAN_OUT}. Its header ('for batch in val_batches:')") in found.summary, \
+        found.summary
+    assert found.fix.startswith(wording.UNEVEN_LOOP_CURE), found.fix
 
 
 def test_a_swallowed_metric_that_four_ranks_went_past_is_named_with_its_except_and_not_as_waited_in():

@@ -1124,6 +1124,12 @@ def _divergence_kind(divergence, positions, histories, views):
     repeated = _repeated_call_kind(key, present, histories, positions)
     if repeated is not None:
         return repeated
+    turns = _loop_turns(key, present, histories, positions)
+    if turns is not None:
+        summary = wording.divergence_summary("collective-mismatch", key, present, culprits, positions,
+                                             path=wording.loop_turns_text(turns, positions))
+        cures = [*wording.loop_turns_cures(turns), *_loop_cures(summary)]
+        return "collective-mismatch", culprits, summary, *cures
     if len(ops) == 1 and len({sig[:2] for sig in groups}) == 1:  # the same call but for its root
         summary = wording.root_summary(key, present, culprits)
         return "collective-mismatch", culprits, summary, wording.ROOT_CURE
@@ -1199,6 +1205,40 @@ def _repeated_call(present: dict[int, Op], histories: dict[int, dict], key: tupl
         return None  # the user's loop (around the call, or a caller) or branch on the rank: their story
     counts = {rank: row[0] for rank, row in rows.items()}
     return (moved_on if len(again) * 2 > len(present) else again), counts, call
+
+
+def _loop_turns(key: tuple[str, int], present: dict[int, Op], histories: dict[int, dict],
+                positions: dict[int, Position]) -> wording.LoopTurns | None:
+    """Every rank issued the same call last, inside a loop of the user's; some issue it again, the
+    others left that loop and came round an outer loop to a call before it: the loop ran more
+    turns on the first (a dict or list with more items on those ranks, fewer batches on the
+    others). None otherwise, and where the others went past the loop's end (``wording._left_loop``
+    reads that: they may have skipped a call after it)."""
+    group, seq = key
+    rows = {rank: _calls_in_a_row(histories.get(rank, {}), group, seq, op) for rank, op in present.items()}
+    if not rows or any(row is None for row in rows.values()):
+        return None
+    call = next(iter(rows.values()))[1]
+    if not call.file or not call.line or any(not _same_call(row[1], call) for row in rows.values()):
+        return None
+    stayed = sorted(rank for rank, row in rows.items() if row[2])
+    left = sorted(rank for rank in rows if rank not in stayed)
+    header = enclosing_loop(call.file, call.line)
+    if not stayed or not left or header is None or not in_loop_body(call.file, header, call.line):
+        return None
+    home = enclosing_function(call.file, call.line)
+    came_to = set()
+    for rank in left:
+        site = wording.call_site(present[rank], positions.get(rank))
+        if site is None or site[0] != call.file or enclosing_function(*site) != home \
+                or site[1] >= header or not share_a_loop(call.file, header, site[1]):
+            return None  # not round an outer loop to a line before this one
+        came_to.add(site[1])
+    calls = {rank: rows[rank][0] - rows[rank][2] for rank in rows}  # each rank's calls before #seq
+    counted = len(set(calls.values())) == 1 and all(
+        seq - 1 - count <= 0 or (group, seq - 1 - count) in histories[rank] for rank, count in calls.items())
+    return wording.LoopTurns(left, stayed, call, header, sorted(came_to),
+                             next(iter(calls.values())) if counted else None)
 
 
 def _issues_one_per_call(call: Op) -> bool:

@@ -773,7 +773,7 @@ def _deciding_text(culprits: list[int], present: dict[int, Op], form: str,
     user's line that made a call DDP issued, from ``positions``): form ' ' gives a sentence ('The
     calls of ranks 0 and 3 are under ..., a condition each rank decides for itself.'), form '(' a
     parenthesis (' (their calls are under ...)'); '' when there is none."""
-    sites = [_site(op, (positions or {}).get(rank)) for rank in culprits if (op := present.get(rank))]
+    sites = [call_site(op, (positions or {}).get(rank)) for rank in culprits if (op := present.get(rank))]
     deciding = {(site[0], found) for site in sites if site is not None
                 and (found := decided_per_rank(*site))}
     if len(deciding) != 1:
@@ -787,8 +787,9 @@ def _deciding_text(culprits: list[int], present: dict[int, Op], form: str,
 
 
 def divergence_summary(kind: str, key: tuple[str, int], present: dict[int, Op], culprits: list[int],
-                       positions: dict[int, Position]) -> str:
-    """The ranks disagree at (group, sequence number) ``key``: what each issued, who differs."""
+                       positions: dict[int, Position], path: str | None = None) -> str:
+    """The ranks disagree at (group, sequence number) ``key``: what each issued, who differs
+    (``path``: how the ranks came to differ, when the caller knows; else ``_different_path``)."""
     seq = key[1]
     if kind == "shape-mismatch":
         op = next(iter(present.values()))
@@ -815,8 +816,10 @@ def divergence_summary(kind: str, key: tuple[str, int], present: dict[int, Op], 
     for rank, op in sorted(present.items()):
         where, extra = _where_now(op, positions.get(rank), seq)
         said.append((rank, f"in {_op_name(op)}{' at ' + where if where else ''}{extra}"))
+    if path is None:
+        path = _different_path(present, culprits, positions)
     return (f"Ranks issued different collectives as collective #{seq}{_of_subgroup(present)}: "
-            + "; ".join(_together(said)) + "." + _different_path(present, culprits, positions))
+            + "; ".join(_together(said)) + "." + path)
 
 
 def _of_subgroup(present: dict[int, Op]) -> str:
@@ -872,12 +875,61 @@ def _different_path(present: dict[int, Op], culprits: list[int], positions: dict
 def _loop_left_text(present: dict[int, Op], culprits: list[int], positions: dict[int, Position]) -> str:
     """``_left_loop``'s sentence, the culprits as the leavers or as the stayers, and the except that
     swallows errors around the leavers' call when there is one (the stayers may have skipped it)."""
-    sites = {rank: _site(op, positions.get(rank)) for rank, op in present.items()}
+    sites = {rank: call_site(op, positions.get(rank)) for rank, op in present.items()}
     mine = sorted(rank for rank in culprits if rank in present)
     others = sorted(rank for rank in present if rank not in culprits)
     left = (_left_loop(sites, mine, others, "the others", positions)
             or _left_loop(sites, others, mine, ranks_text(mine), positions))
     return left + swallowed_text(positions.get(rank) for rank in present) if left else ""
+
+
+class LoopTurns(NamedTuple):
+    """A loop that ran more turns on some ranks (``diagnosis._loop_turns``)."""
+
+    left: list[int]  # the ranks that left it and came round an outer loop to a call before it
+    stayed: list[int]  # the ranks that issue its call once more
+    call: Op  # the call every rank issued last, in the loop
+    header: int  # the loop's header line (in the call's file)
+    came_to: list[int]  # the lines the leavers came round to
+    calls: int | None  # the leavers' calls of it in a row, where every rank's run of them is on record
+
+
+KEYED_LOOP_CURE = (
+    "Loop over the same items on every rank: a list fixed for the job (every class or key there can "
+    "be, not those present in the rank's own data), with a zero for an item a rank lacks; better, "
+    "stack the values into one tensor and reduce it in one call.")
+_KEYED = re.compile(r"\.(keys|items|values)\(|\b(sorted|set|unique|dict|enumerate)\(|\.unique\(")
+
+
+def loop_turns_text(turns: LoopTurns, positions: dict[int, Position]) -> str:
+    """' Ranks 0 and 1 have left the loop at train.py:40 after 7 calls of all_reduce at
+    train.py:41 and come round to train.py:33; rank 2 is still in it, issuing call 8 there: their
+    loops ran out first. Its header ('for name in sorted(metrics):') must give every rank as many
+    turns.' (``LoopTurns``), with the loop's exits and a swallowing except around the call."""
+    call, several = turns.call, len(turns.left) > 1
+    name = Path(call.file or "").name
+    came = " and ".join(f"{name}:{line}" for line in turns.came_to)
+    if turns.calls is not None:
+        made = f"after {turns.calls} calls of {_op_name(call)} at {call.where}"
+        again = f"issuing call {turns.calls + 1} there"
+    else:
+        made = f"after their calls of {_op_name(call)} at {call.where} in a row"
+        again = "issuing it once more"
+    stayed = ranks_text(turns.stayed).replace("Rank", "rank") + (" is" if len(turns.stayed) == 1 else " are")
+    header = source_line({"file": call.file, "line": turns.header}).strip()
+    header_text = f" Its header ('{header[:80]}') must give every rank as many turns." if header else ""
+    theirs = "their loops" if several else "its loop"
+    return (f" {ranks_text(turns.left)} {'have' if several else 'has'} left the loop at "
+            f"{name}:{turns.header} {made} and come round to {came}; {stayed} still in it, {again}: "
+            f"{theirs} {LOOP_RAN_OUT}.{header_text}"
+            f"{loop_exits_text(call.file or '', turns.header, call.line or 0)}"
+            f"{swallowed_text(positions.get(rank) for rank in turns.left + turns.stayed)}")
+
+
+def loop_turns_cures(turns: LoopTurns) -> list[str]:
+    """``KEYED_LOOP_CURE`` first for a loop over a collection's keys or items (a dict of metrics)."""
+    header = source_line({"file": turns.call.file, "line": turns.header})
+    return [KEYED_LOOP_CURE] if header.lstrip().startswith("for ") and _KEYED.search(header) else []
 
 
 class TurnSkipped(NamedTuple):
@@ -899,7 +951,7 @@ def turn_skipped(present: dict[int, Op], positions: dict[int, Position]) -> Turn
     a break or a return between the two, or by a condition around that call); None otherwise. The
     lines are the calls' own, else where the ranks' stacks part in a function that runs the loop
     (the call the late side waits in made from a function called there)."""
-    sites = {rank: _site(op, positions.get(rank)) for rank, op in present.items()}
+    sites = {rank: call_site(op, positions.get(rank)) for rank, op in present.items()}
     lines = set(sites.values())
     if None in lines or len(lines) != 2:
         return None
@@ -1161,7 +1213,7 @@ def _exit_condition(test: str) -> str:
     return f" (in {test})" if test.startswith("except") else f" (if {test})"
 
 
-def _site(op: Op, pos: Position | None) -> tuple[str, int] | None:
+def call_site(op: Op, pos: Position | None) -> tuple[str, int] | None:
     """The user's file and line of a rank's call (its position's when the op has none: DDP's)."""
     if op.file and op.line:
         return op.file, op.line
