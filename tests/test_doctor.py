@@ -707,6 +707,25 @@ def test_a_flight_recorder_entry_belongs_to_the_call_whose_times_hold_it_not_the
     assert (found[("0", 33)].op, found[("0", 33)].line) == ("all_reduce", 51)
 
 
+def test_a_flight_recorder_entry_after_an_async_call_returned_is_not_that_calls():
+    """Times seen under Join (rank 0 of test_ddp_under_joins_uneven_inputs_is_healthy): the shadowing
+    rank's async all_reduce of 1 float returned, was waited for, and DDP's gradient all-reduce of 2632
+    floats was created from C++ 100 us after the return, before the work's end was noted."""
+    from helpers.doctor.records import RankView
+
+    view = RankView(0)
+    view.apply({"ev": "op", "id": 70, "op": "all_reduce", "pg": "0", "seq": 109, "t": 8.741361, "async": True,
+                "shapes": [[1]], "where": "train.py:7", "line": 7})
+    view.apply({"ev": "enq", "id": 70, "t": 8.741607})
+    view.apply({"ev": "end", "id": 70, "t": 8.741807, "ok": True})  # the work's end, noted late
+    entries = [("gloo:all_reduce", 109, 8.741393, [[1]]), ("gloo:all_reduce", 110, 8.741707, [[2632]])]
+    view.state = {"fr": [{"profiling_name": name, "collective_seq_id": seq, "time_created_ns": int(t * 1e9),
+                          "input_sizes": sizes, "retired": True} for name, seq, t, sizes in entries]}
+    found = diagnosis_module.history(view)
+    assert (found[("0", 109)].line, found[("0", 109)].shapes) == (7, [[1]])
+    assert (found[("0", 110)].line, found[("0", 110)].shapes) == (None, [[2632]])
+
+
 def _view_of_calls(calls, fr_threads):
     """A rank's view: Python calls (op, seq, line, start, end) on the default group, and its Flight
     Recorder entries of those numbers, each issued by the thread given (thread id, main thread?)."""
@@ -1678,6 +1697,30 @@ def test_a_rank_late_by_less_than_stall_s_is_ok(leftovers):
     found = doctor.run_function(healthy.main, kwargs={"late_s": 2.5}, num_processes=2, stall_s=6.0)
     assert (found.verdict, found.kind) == ("ok", "ok"), found.text()
     assert found.detected_after_s is None
+    leftovers.check()
+
+
+def _uneven_batches_under_join(batches_per_rank: tuple[int, ...]):
+    import torch
+    import torch.distributed as dist
+    from torch.distributed.algorithms.join import Join
+    from torch.nn.parallel import DistributedDataParallel
+
+    torch.manual_seed(0)
+    model = DistributedDataParallel(torch.nn.Sequential(torch.nn.Linear(32, 64), torch.nn.Linear(64, 8)))
+    with Join([model]):  # the ranks out of batches shadow the others' collectives
+        for _ in range(batches_per_rank[dist.get_rank()]):
+            model(torch.randn(16, 32)).sum().backward()
+    dist.all_reduce(torch.ones(2))
+
+
+def test_ddp_under_joins_uneven_inputs_is_healthy(leftovers):
+    # Join's async all_reduces return before their work completes: DDP's gradient all-reduce that
+    # the shadowing ranks issue next, from C++, was taken for part of that call, with its shape, and
+    # a healthy job was called a shape mismatch and failed (l7 of a blind batch)
+    found = doctor.run_function(_uneven_batches_under_join, kwargs={"batches_per_rank": (4, 40)},
+                                num_processes=2, stall_s=10.0, timeout_s=90)
+    assert (found.verdict, found.kind) == ("ok", "ok"), found.text()
     leftovers.check()
 
 

@@ -353,14 +353,19 @@ _CLOCK_SLACK_S = 1e-4  # both clocks are the wall clock; the entry is created in
 def _owner(python: list[Op], created: float) -> Op | None:
     """The Python-level call during which a Flight Recorder entry was created: the one whose
     times hold it, else the one they hold within the clocks' slack (the next call can start within
-    the slack of a short barrier's entry: it must not take it, as it did under load)."""
+    the slack of a short barrier's entry: it must not take it, as it did under load). An async
+    call's times end where it returned, not where its work completed: DDP's gradient all-reduce,
+    issued from C++ meanwhile (under Join, after its async all_reduces), is not its; its return
+    is read after the call, so no slack is given to it (DDP's next entry came 100 us later)."""
     for slack in (0.0, _CLOCK_SLACK_S):
         for op in reversed(python):
             if op.start is None:
                 continue
-            if op.start - slack <= created and (op.end is None or created <= op.end + slack):
+            returned = op.async_ and op.returned is not None
+            end, end_slack = (op.returned, 0.0) if returned else (op.end, slack)
+            if op.start - slack <= created and (end is None or created <= end + end_slack):
                 return op
-            if op.end is not None and op.end < created - slack:
+            if end is not None and end < created - slack:
                 break
     return None
 

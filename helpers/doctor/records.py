@@ -56,6 +56,7 @@ class Op:
     thread: str | None = None  # the id of the thread that called it, when not the main thread
     batch: list | None = None  # batch_isend_irecv's [["send" or "recv", peer], ...]
     inferred: bool = False  # closed with no end on file (``RankView.close_passed``): ended, well or not
+    returned: float | None = None  # an async call's return, its work queued (its end: the work's)
 
     def signature(self) -> tuple:
         """What must agree across ranks at one sequence number: the op, then shapes and dtypes."""
@@ -132,6 +133,10 @@ class RankView:
                 self._end({"id": event["id"], "t": event["te"], "ok": event.get("ok")})
         elif kind == "end":
             self._end(event)
+        elif kind == "enq":  # an async call returned: what it issued, it issued by then
+            op = self.ops.get(event.get("id"))
+            if op is not None:
+                op.returned = event.get("t")
         elif kind == "pg":
             self._progress(event["pg"], event["t"])
         elif kind == "exit":
