@@ -2328,6 +2328,50 @@ def test_a_rank_whose_validation_loop_ran_out_first_is_said_to_have_left_it_not_
     assert found.fix.startswith(wording.UNEVEN_LOOP_CURE), found.fix
 
 
+_CACHE_ONCE_PER_NODE = """\
+import torch.distributed as dist
+def load(rank, local_rank, build):
+    if local_rank != 0:
+        dist.barrier()
+    build()
+    if rank == 0:
+        dist.barrier()
+def main(rank, local_rank, build, wrap):
+    load(rank, local_rank, build)
+    wrap()
+"""
+
+
+def _one_call(rank: int, file: str, op: str, line: int) -> doctor.RankView:
+    view = doctor.RankView(rank)
+    view.apply({"ev": "op", "id": 1, "op": op, "pg": "0", "seq": 1, "file": file, "line": line,
+                "where": f"{Path(file).name}:{line}", "t": 10.0, **({"shapes": [[3]], "dtypes": ["int64"]}
+                                                                  if op != "barrier" else {})})
+    return view
+
+
+def test_a_rank_that_skipped_barriers_paired_across_branches_on_the_rank_is_the_odd_one(tmp_path):
+    # a cache built once per node: the others wait under 'if local_rank != 0:' for the local main's
+    # barrier, which is under 'if rank == 0:': on the second node neither holds on its local main,
+    # rank 2, which goes on to DDP's constructor (l5 of a blind batch). The barriers pair up across
+    # the branches: rank 2 is the odd one, not rank 0, alone in its branch
+    path = tmp_path / "train.py"
+    path.write_text(_CACHE_ONCE_PER_NODE)
+    calls = {0: ("barrier", 7), 1: ("barrier", 4), 2: ("all_gather", 10), 3: ("barrier", 4)}
+    found = doctor.diagnose({rank: _one_call(rank, str(path), *call) for rank, call in calls.items()}, 4,
+                            "stall", 5.0)
+    assert (found.kind, found.ranks) == ("collective-mismatch", [2]), found.text()
+    assert ("The others' barriers are each under a branch on the rank ('if rank == 0:' at train.py:6 "
+            "for rank 0; 'if local_rank != 0:' at train.py:3 for ranks 1 and 3), and rank 2's call is not: "
+            f"none of those branches ran on rank 2. {wording.LOCAL_AND_GLOBAL}") in found.summary, \
+        found.summary
+    # one rank alone in a barrier under its branch while the others are elsewhere is still the odd one
+    calls = {0: ("barrier", 7), 1: ("all_gather", 10), 2: ("all_gather", 10), 3: ("all_gather", 10)}
+    found = doctor.diagnose({rank: _one_call(rank, str(path), *call) for rank, call in calls.items()}, 4,
+                            "stall", 5.0)
+    assert found.ranks == [0], found.text()
+
+
 def test_a_swallowed_metric_that_four_ranks_went_past_is_named_with_its_except_and_not_as_waited_in():
     # the same script as a 2 x 2 torchrun job under the doctor: gloo paired rank 3's 8 floats with the
     # others' metric of 1 without aborting anyone, the others went on to #5 and rank 3 waits in #4
@@ -3481,7 +3525,7 @@ def evaluate(args, accelerator):
     if world > 1:
         dist.barrier()  # line 13: the world size, not the rank
     if args.local_rank in (-1, 0):
-        dist.barrier()  # line 15: an argument, not a name the script gave the rank
+        dist.barrier()  # line 15: the local rank, passed in the arguments (old scripts' main first)
     if accelerator.ranking_enabled:
         dist.barrier()  # line 17: a word that merely starts with 'rank'
 
@@ -3516,7 +3560,7 @@ def test_a_branch_on_a_name_the_script_gave_the_rank_is_rank_conditional(tmp_pat
     script.write_text(_RANK_NAMED_OTHERWISE)
     lines = (9, 11, 13, 15, 17, 22, 31, 38, 41)
     conditional = [line for line in lines if source.rank_conditional(str(script), line)]
-    assert conditional == [9, 11, 31]  # 15: args.local_rank is no name the script gave the rank
+    assert conditional == [9, 11, 15, 31]
 
 
 def test_a_name_read_from_the_launchers_rank_variable_is_the_rank(tmp_path):

@@ -1411,6 +1411,9 @@ def _odd_ones_out(groups: dict[tuple, list[int]], present: dict[int, Op], histor
     conditional = [r for r in everyone if rank_conditional(present[r].file, present[r].line)
                    or (r in now and rank_branch(now[r]) is not None)]
     skipped_by_few = skipped is not None and len(conditional) * 2 > len(everyone)
+    paired = _paired_across_branches(groups, present, conditional)
+    if paired:
+        return [r for r in everyone if r not in paired]
     if conditional and len(conditional) < len(everyone) and not skipped_by_few:
         return conditional
     # 'if time.time() - last > 30:', 'if loss < best:' around the call: the same order of readings
@@ -1430,6 +1433,19 @@ def _odd_ones_out(groups: dict[tuple, list[int]], present: dict[int, Op], histor
     if novel and len(novel) < len(everyone):
         return novel
     return everyone
+
+
+def _paired_across_branches(groups: dict[tuple, list[int]], present: dict[int, Op],
+                            conditional: list[int]) -> list[int]:
+    """The ranks of a strict majority that issued one collective from several lines, among them
+    every rank whose call is under a branch on the rank: calls alike pair up whatever their line
+    (a barrier under 'if local_rank != 0:' with one under 'if rank == 0:', the main-process-first
+    idiom), so the odd ones are the others. [] otherwise."""
+    largest = max(groups.values(), key=len, default=[])
+    if not conditional or len(largest) * 2 <= len(present) or len(largest) == len(present):
+        return []
+    lines = {present[rank].where for rank in largest}
+    return largest if len(lines) > 1 and None not in lines and set(conditional) <= set(largest) else []
 
 
 def _common_root(present: dict[int, Op]) -> int | None:

@@ -14,7 +14,7 @@ from typing import Any
 from helpers.sites import is_user_code
 
 _RANK_TEST = re.compile(r"is_main_process|is_local_main_process|is_last_process|process_index|"
-                        r"local_process_index|\brank\b|get_rank|RANK")
+                        r"local_process_index|\b(local_|global_|node_)?rank\b|get_rank|RANK")
 _trees: dict[str, Any] = {}
 _rank_names_of: dict[str, dict] = {}  # a file's names of the rank, by scope (``_rank_names``)
 
@@ -55,7 +55,8 @@ def rank_condition(filename: str | None, line: int | None) -> tuple[int, str, st
     for node, found in _conditions_around(parsed, line):
         if _against_minus_one(node.test):  # 'if local_rank != -1:': distributed or not, on every rank
             continue
-        if _RANK_TEST.search(found[1]) or _names_in(node.test) & _visible(derived, node.lineno):
+        if _RANK_TEST.search(_without_minus_one(node.test)) \
+                or _names_in(node.test) & _visible(derived, node.lineno):
             return found
     return None
 
@@ -133,6 +134,13 @@ def _against_minus_one(test: ast.AST) -> bool:
     return isinstance(test, ast.Compare) and any(
         isinstance(side, ast.UnaryOp) and isinstance(side.op, ast.USub)
         and isinstance(side.operand, ast.Constant) and side.operand.value == 1 for side in test.comparators)
+
+
+def _without_minus_one(test: ast.AST) -> str:
+    """A test's text but its comparisons with -1 (``ddp or local_rank != -1``: alike on every rank)."""
+    if isinstance(test, ast.BoolOp):
+        return " ".join(_without_minus_one(value) for value in test.values)
+    return "" if _against_minus_one(test) else _text(test)
 
 
 Scope = tuple[int, int] | None  # a function's first and last line; None: the module (and attributes)

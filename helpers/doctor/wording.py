@@ -26,6 +26,7 @@ from helpers.doctor.source import (
     loop_returned_from,
     mentions_rank,
     rank_condition,
+    rank_conditional,
     returns_before,
     share_a_loop,
     source_line,
@@ -869,7 +870,41 @@ def _different_path(present: dict[int, Op], culprits: list[int], positions: dict
         if inside:
             return inside
     swallowed = "" if inside else swallowed_text(positions.get(rank) for rank in present)
-    return f" {ranks_text(culprits)} took a different path from {_others_text(others)}{inside}.{swallowed}"
+    return (f" {ranks_text(culprits)} took a different path from {_others_text(others)}{inside}.{swallowed}"
+            + ("" if inside else _none_of_their_branches(present, culprits, others)))
+
+
+def _none_of_their_branches(present: dict[int, Op], culprits: list[int], others: list[int]) -> str:
+    """' The others' barriers are each under a branch on the rank ('if local_rank != 0:' at
+    train.py:34 for ranks 1 and 3; 'if rank == 0:' at train.py:42 for rank 0), and rank 2's
+    call is not: none of those branches ran on rank 2.' ('' unless so), with a word on tests of
+    the local rank paired with tests of the global one: they agree on the first node alone."""
+    tests: dict[tuple[str, int, str, str], list[int]] = {}
+    for rank in others:
+        op = present[rank]
+        found = rank_condition(op.file, op.line) if op.file and op.line else None
+        if found is None:
+            return ""
+        tests.setdefault((op.file or "", *found), []).append(rank)
+    if len(tests) < 2 or any(rank_conditional(present[r].file, present[r].line) for r in culprits):
+        return ""
+    said = [f"{_branch_words((line, test, branch), file)} for {ranks_text(ranks).lower()}"
+            for (file, line, test, branch), ranks in tests.items()]
+    ops = {_op_name(present[rank]) for rank in others}
+    calls = f"{ops.pop()}s" if len(ops) == 1 else "calls"
+    theirs = f"{_calls_of(culprits)} {'is' if len(culprits) == 1 else 'are'}"
+    text = (f" The others' {calls} are each under a branch on the rank ({'; '.join(said)}), and "
+            f"{theirs} not: none of those branches ran on {ranks_text(culprits).lower()}.")
+    local = [test for _file, _line, test, _branch in tests if _LOCAL_TEST.search(test)]
+    if local and len(local) < len(tests):
+        text += f" {LOCAL_AND_GLOBAL}"
+    return text
+
+
+_LOCAL_TEST = re.compile(r"local|LOCAL")
+LOCAL_AND_GLOBAL = ("A test of the local rank (the process's index on its node) and one of the global rank "
+                    "agree on the first node alone: on a job of several nodes, pair branches that test the "
+                    "same one.")
 
 
 def _loop_left_text(present: dict[int, Op], culprits: list[int], positions: dict[int, Position]) -> str:
