@@ -2372,6 +2372,54 @@ def test_a_rank_that_skipped_barriers_paired_across_branches_on_the_rank_is_the_
     assert found.ranks == [0], found.text()
 
 
+_EVAL_EVERY = """\
+import torch.distributed as dist
+def validate(stats):
+    dist.all_reduce(stats)
+def train(grads, stats, every):
+    for step in range(9):
+        dist.all_reduce(grads)
+        if (step + 1) % every == 0:
+            validate(stats)
+train(None, None, 4)
+"""
+
+
+def test_the_call_chain_of_a_rank_gloo_aborted_is_read_from_the_source_to_name_its_condition(tmp_path):
+    # rank 3 validates every 3 steps, the others every 4 (each from its own loader's length): gloo
+    # aborted rank 3 in the validation's reduce before its stack was read, so the line that called
+    # validate() is read from the source, its one caller; rank 2's call, DDP's from C++ in the job,
+    # has no line of its own: it is the others' call, alike (l6 of a blind batch)
+    path = tmp_path / "train.py"
+    path.write_text(_EVAL_EVERY)
+    grads, stats = (6, 8), (3, 2)
+    views = {rank: _all_reduces(rank, str(path), [grads, grads, grads, stats if rank == 3 else grads])
+             for rank in range(4)}
+    views[2].ops[4].file = views[2].ops[4].line = views[2].ops[4].where = None
+    found = doctor.diagnose(views, 4, "stall", 5.0)
+    assert (found.kind, found.ranks) == ("collective-mismatch", [3]), found.text()
+    assert ("Ranks 0, 1 and 2 have come round to the loop at train.py:5 again without the all_reduce at "
+            "train.py:3 (from the call at train.py:8) that rank 3 waits in") in found.summary, found.summary
+    assert "That call is under 'if (step + 1) % every == 0:' at train.py:7." in found.summary, found.summary
+    assert source.call_chain(str(path), 3) == [9, 8, 3]
+    assert source.call_chain(str(path), 6) == [9, 6]
+
+
+def test_a_call_chain_is_read_from_the_source_only_where_each_function_has_one_caller(tmp_path):
+    path = tmp_path / "train.py"
+    path.write_text("def log(x):\n    return x\n"  # 1-2: called twice
+                    "def step(x):\n    return log(x) + log(x)\n"  # 3-4
+                    "def hook(x):\n    return x\n"  # 5-6: passed on, not called
+                    "def again(n):\n    return again(n - 1) if n else 0\n"  # 7-8: calls itself
+                    "register(hook)\nstep(1)\nagain(2)\n")  # 9-11
+    assert source.call_chain(str(path), 2) == []
+    assert source.call_chain(str(path), 4) == [10, 4]
+    assert source.call_chain(str(path), 6) == []
+    assert source.call_chain(str(path), 8) == []
+    assert source.call_chain(str(path), 10) == [10]
+    assert source.call_chain(str(tmp_path / "missing.py"), 3) == []
+
+
 def test_a_swallowed_metric_that_four_ranks_went_past_is_named_with_its_except_and_not_as_waited_in():
     # the same script as a 2 x 2 torchrun job under the doctor: gloo paired rank 3's 8 floats with the
     # others' metric of 1 without aborting anyone, the others went on to #5 and rank 3 waits in #4

@@ -34,6 +34,7 @@ from helpers.collectives import (
 from helpers.doctor import wording
 from helpers.doctor.records import KEPT_OPS, NOTED, WORLD_PG, Evidence, Op, Position, RankView, fr_op
 from helpers.doctor.source import (
+    call_chain,
     enclosing_condition,
     enclosing_function,
     enclosing_loop,
@@ -374,8 +375,18 @@ def position(view: RankView) -> Position:
     """Where a rank is: in a collective, outside any, finished, or exited (and how), and the
     user's frames that led there."""
     pos = _position(view)
-    pos.callers = _callers(view)
+    pos.callers = _callers(view) or _callers_by_source(pos)
     return pos
+
+
+def _callers_by_source(pos: Position) -> list[tuple[str, int, str]]:
+    """The user's frames that led to a rank's call, read from the source (``call_chain``), for a
+    rank whose stack never reached the doctor (gloo aborted it within milliseconds)."""
+    file = pos.file or (pos.op.file if pos.op is not None else None)
+    line = pos.line or (pos.op.line if pos.op is not None else None)
+    if not file or not line or installed(file):
+        return []
+    return [(file, each, f"{Path(file).name}:{each}") for each in call_chain(file, line)]
 
 
 def _callers(view: RankView) -> list[tuple[str, int, str]]:

@@ -344,6 +344,43 @@ def in_loop_body(filename: str | None, header: int | None, line: int | None) -> 
                    for statement in loop.body for node in ast.walk(statement))
 
 
+def call_chain(filename: str | None, line: int | None) -> list[int]:
+    """The lines that lead to ``line`` from the file's top level, outermost first, ``line`` last,
+    read from the source where each function on the way is called from one line of the file alone
+    (a script's ``validate`` called once in ``main``, ``main`` once under ``if __name__ ==
+    "__main__":``): the stack of a rank that died before it was read. [] when a function on the way
+    is called from no line or from several, or named otherwise (a callback), or the file is unread."""
+    parsed = _tree(filename)
+    if parsed is None or line is None:
+        return []
+    chain = [line]
+    for _ in range(_CHAIN_DEPTH):
+        scope = _innermost(filename, chain[0], (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda))
+        if scope is None:
+            return chain
+        if isinstance(scope, ast.Lambda):
+            return []
+        calls, named = [], 0
+        for node in ast.walk(parsed[0]):
+            if isinstance(node, ast.Call) and _called_name(node.func) == scope.name:
+                calls.append(node.lineno)
+            elif isinstance(node, ast.Name) and node.id == scope.name:
+                named += 1
+        if len(calls) != 1 or named > len(calls) or scope.lineno <= calls[0] <= (scope.end_lineno or 0):
+            return []  # several callers, a reference passed on, or a call from within (recursion)
+        chain.insert(0, calls[0])
+    return []
+
+
+_CHAIN_DEPTH = 16  # functions followed up from a line by ``call_chain``
+
+
+def _called_name(func: ast.AST) -> str | None:
+    if isinstance(func, ast.Name):
+        return func.id
+    return func.attr if isinstance(func, ast.Attribute) else None
+
+
 def enclosing_function(filename: str | None, line: int | None) -> int | None:
     """The header line of the innermost function (or lambda) around ``line``: 0 at module level,
     None when the file cannot be read."""

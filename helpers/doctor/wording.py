@@ -986,7 +986,7 @@ def turn_skipped(present: dict[int, Op], positions: dict[int, Position]) -> Turn
     a break or a return between the two, or by a condition around that call); None otherwise. The
     lines are the calls' own, else where the ranks' stacks part in a function that runs the loop
     (the call the late side waits in made from a function called there)."""
-    sites = {rank: call_site(op, positions.get(rank)) for rank, op in present.items()}
+    sites = _sites_or_alikes(present, positions)
     lines = set(sites.values())
     if None in lines or len(lines) != 2:
         return None
@@ -996,6 +996,20 @@ def turn_skipped(present: dict[int, Op], positions: dict[int, Position]) -> Turn
         late = sorted(rank for rank in sites if rank not in early)
         return TurnSkipped(early, late, file, enclosing_loop(file, call_line) or 0, first, call_line, [])
     return _turn_skipped_on_stacks(sites, positions)
+
+
+def _sites_or_alikes(present: dict[int, Op], positions: dict[int, Position]
+                     ) -> dict[int, tuple[str, int] | None]:
+    """Each rank's call site (``call_site``); for a rank whose site is unknown (DDP's call, issued
+    from C++, by a rank that left before its stack was read), the one site of the ranks that issued
+    the same collective, op and shapes alike."""
+    sites = {rank: call_site(op, positions.get(rank)) for rank, op in present.items()}
+    for rank, site in sites.items():
+        if site is None:
+            alike = {sites[other] for other, op in present.items()
+                     if sites[other] is not None and op.signature() == present[rank].signature()}
+            sites[rank] = alike.pop() if len(alike) == 1 else None
+    return sites
 
 
 def skipped_by_exit(skipped: TurnSkipped) -> bool:
@@ -1019,11 +1033,20 @@ def _turn_skipped_on_stacks(sites: dict[int, tuple[str, int] | None], positions:
                             ) -> TurnSkipped | None:
     """``turn_skipped`` where the two sides' stacks part, one stack on each side."""
     stacks: dict[tuple, list[int]] = {}
+    unread = []  # ranks without a stack: with those of the ranks at the same line, if one stack
     for rank in sites:
         stack = tuple(_user_frames(positions.get(rank)))
-        if not stack or stack[-1] != sites[rank]:  # no stack, or one that is not at this call
+        if not stack:
+            unread.append(rank)
+        elif stack[-1] != sites[rank]:  # a stack that is not at this call
             return None
-        stacks.setdefault(stack, []).append(rank)
+        else:
+            stacks.setdefault(stack, []).append(rank)
+    for rank in unread:
+        alike = [stack for stack in stacks if stack[-1] == sites[rank]]
+        if len(alike) != 1:
+            return None
+        stacks[alike[0]].append(rank)
     if len(stacks) != 2:
         return None
     (one, one_ranks), (other, other_ranks) = stacks.items()
