@@ -933,7 +933,7 @@ KEYED_LOOP_CURE = (
     "Loop over the same items on every rank: a list fixed for the job (every class or key there can "
     "be, not those present in the rank's own data), with a zero for an item a rank lacks; better, "
     "stack the values into one tensor and reduce it in one call.")
-_KEYED = re.compile(r"\.(keys|items|values)\(|\b(sorted|set|unique|dict|enumerate)\(|\.unique\(")
+_KEYED = re.compile(r"\.(keys|items|values|unique)\(|\b(sorted|set|dict)\(")
 
 
 def loop_turns_text(turns: LoopTurns, positions: dict[int, Position]) -> str:
