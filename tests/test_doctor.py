@@ -2972,6 +2972,39 @@ def test_a_collective_in_a_cached_function_is_named_with_its_cache(tmp_path, lef
     leftovers.check()
 
 
+_CACHED_IN_A_LOOP = """\
+import functools
+import torch.distributed as dist
+@functools.lru_cache(maxsize=None)
+def global_count(label):
+    dist.all_reduce(label)
+def weights(labels):
+    for label in labels:
+        global_count(label)
+def main(batches, grads):
+    for labels in batches:
+        weights(labels)
+        dist.all_reduce(grads)
+main(None, None)
+"""
+
+
+def test_a_cached_collective_in_a_loop_of_a_function_is_told_by_its_cache_not_the_loop(tmp_path):
+    # j5 of a blind batch as the job's leader read it: rank 2's batch has a class new to it, its
+    # cache misses and it issues one more count; its stack never came (gloo aborted it), its callers
+    # are read from the source, and the loop over the labels they lead through is not the story
+    path = tmp_path / "train.py"
+    path.write_text(_CACHED_IN_A_LOOP)
+    count, grads = (5, 1), (12, 8)
+    found = doctor.diagnose({rank: _all_reduces(rank, str(path), [count, count, grads, *(
+        [count] if rank == 2 else [grads])]) for rank in range(4)}, 4, "stall", 5.0)
+    assert (found.kind, found.ranks) == ("collective-mismatch", [2]), found.text()
+    assert ("Rank 2's call at train.py:5 is in global_count, cached by functools' lru_cache at train.py:3, "
+            f"{wording.CACHED}") in found.summary, found.summary
+    assert "left the loop" not in found.summary, found.summary
+    assert found.fix.startswith(wording.CACHED_CURE), found.fix
+
+
 _SHARD_CONDITION = """\
 import torch
 import torch.distributed as dist

@@ -1154,7 +1154,8 @@ def _divergence_kind(divergence, positions, histories, views):
                                      or _python_and_cpp_calls(present, key, positions, views)):
         kind = "collective-mismatch"
         summary = wording.divergence_summary(kind, key, present, culprits, positions)
-        if wording.LOOP_RAN_OUT in summary or wording.LATER_TURN in summary:
+        looped = wording.LOOP_RAN_OUT in summary or wording.LATER_TURN in summary
+        if looped and wording.CACHED not in summary:
             return kind, culprits, summary, *_loop_cures(summary)
         summary = wording.different_lines_summary(key, present, culprits, positions)
         if wording.DECIDES_ITSELF in summary:
@@ -1163,6 +1164,8 @@ def _divergence_kind(divergence, positions, histories, views):
             return kind, culprits, summary, wording.CACHED_CURE
         return kind, culprits, summary
     summary = wording.divergence_summary(kind, key, present, culprits, positions)
+    if kind == "collective-mismatch" and wording.CACHED in summary:
+        return kind, culprits, summary, wording.CACHED_CURE
     if kind == "collective-mismatch" and (wording.LOOP_RAN_OUT in summary  # a loop ran out first
                                           or wording.LATER_TURN in summary):  # or a turn was skipped
         return kind, culprits, summary, *_loop_cures(summary)
@@ -1243,9 +1246,10 @@ def _loop_turns(key: tuple[str, int], present: dict[int, Op], histories: dict[in
     if not stayed or not left or header is None or not in_loop_body(call.file, header, call.line):
         return None
     home = enclosing_function(call.file, call.line)
+    sites = wording.call_sites(present, positions)
     came_to = set()
     for rank in left:
-        site = wording.call_site(present[rank], positions.get(rank))
+        site = sites[rank]
         if site is None or site[0] != call.file or enclosing_function(*site) != home \
                 or site[1] >= header or not share_a_loop(call.file, header, site[1]):
             return None  # not round an outer loop to a line before this one

@@ -668,9 +668,9 @@ def different_lines_summary(key: tuple[str, int], present: dict[int, Op], culpri
         where, extra = _where_now(each, positions.get(rank), key[1])
         text = f"{shapes_text(each.shapes) or 'unknown shape'} {','.join(each.dtypes or [])}".strip()
         said.append((rank, text + (f" at {where}" if where else "") + extra))
-    why = (_deciding_text(culprits, present, " ", positions) or _rank_branch_text(culprits, present)
-           or _caller_branch_text(culprits, present, positions) or _next_turn(present, positions)
-           or _cached_text(culprits, present, positions))
+    why = (_cached_text(culprits, present, positions)  # its cache missed there: the call's own story
+           or _deciding_text(culprits, present, " ", positions) or _rank_branch_text(culprits, present)
+           or _caller_branch_text(culprits, present, positions) or _next_turn(present, positions))
     threads = "" if why else (", or a thread of their own issues collectives on the same group, in a "
                               "different order on each rank")
     why = why or swallowed_text(_at_call(each, positions.get(rank), key[1])
@@ -848,6 +848,9 @@ def _different_path(present: dict[int, Op], culprits: list[int], positions: dict
     some ranks, most often a DataLoader with fewer batches. Else ' Rank 2 took a different path
     from the others.' (' The ranks took different paths here.' when every rank is named)"""
     others = sorted(rank for rank in present if rank not in culprits)
+    cached = _cached_text(culprits, present, positions)
+    if cached:  # its cache missed on that rank alone: any loop it is in is not the story
+        return f" {ranks_text(culprits)} took a different path from {_others_text(others)}.{cached}"
     left = _loop_left_text(present, culprits, positions)
     if left:
         return left
@@ -986,7 +989,7 @@ def turn_skipped(present: dict[int, Op], positions: dict[int, Position]) -> Turn
     a break or a return between the two, or by a condition around that call); None otherwise. The
     lines are the calls' own, else where the ranks' stacks part in a function that runs the loop
     (the call the late side waits in made from a function called there)."""
-    sites = _sites_or_alikes(present, positions)
+    sites = call_sites(present, positions)
     lines = set(sites.values())
     if None in lines or len(lines) != 2:
         return None
@@ -998,7 +1001,7 @@ def turn_skipped(present: dict[int, Op], positions: dict[int, Position]) -> Turn
     return _turn_skipped_on_stacks(sites, positions)
 
 
-def _sites_or_alikes(present: dict[int, Op], positions: dict[int, Position]
+def call_sites(present: dict[int, Op], positions: dict[int, Position]
                      ) -> dict[int, tuple[str, int] | None]:
     """Each rank's call site (``call_site``); for a rank whose site is unknown (DDP's call, issued
     from C++, by a rank that left before its stack was read), the one site of the ranks that issued
