@@ -2420,6 +2420,37 @@ def test_a_call_chain_is_read_from_the_source_only_where_each_function_has_one_c
     assert source.call_chain(str(tmp_path / "missing.py"), 3) == []
 
 
+_HASHED_OWNER = """\
+import torch.distributed as dist
+def share(names, world, tensor):
+    for name in names:
+        owner = hash(name) % world
+        dist.broadcast(tensor, owner)
+"""
+
+
+def test_a_root_computed_with_pythons_salted_hash_is_named(tmp_path):
+    # each parameter's owner as hash(name) % world: every process salts str's hash its own way, so
+    # the ranks pass different roots (m8 of a blind batch)
+    path = tmp_path / "train.py"
+    path.write_text(_HASHED_OWNER)
+    views = {}
+    for rank, root in enumerate([1, 3, 0, 0]):
+        views[rank] = doctor.RankView(rank)
+        views[rank].apply({"ev": "op", "id": 1, "op": "broadcast", "pg": "0", "seq": 1, "shapes": [[1]],
+                           "dtypes": ["float32"], "root": root, "file": str(path), "line": 5,
+                           "where": "train.py:5", "t": 10.0})
+    found = doctor.diagnose(views, 4, "stall", 5.0)
+    assert found.kind == "collective-mismatch", found.text()
+    assert (f"Its root, owner, is read from 'hash(name) % world': {wording.SALTED_HASH}, so each rank "
+            "computes a number of its own") in found.summary, found.summary
+    assert source.root_argument(str(path), 5) == "owner"
+    other = tmp_path / "other.py"  # (a file's parse is cached by its name)
+    other.write_text("import torch.distributed as dist\ndist.all_reduce(t, op)\ndist.broadcast(t, src=2)\n")
+    assert source.root_argument(str(other), 2) is None  # all_reduce's second argument is its op
+    assert source.root_argument(str(other), 3) == "2"
+
+
 def test_a_swallowed_metric_that_four_ranks_went_past_is_named_with_its_except_and_not_as_waited_in():
     # the same script as a 2 x 2 torchrun job under the doctor: gloo paired rank 3's 8 floats with the
     # others' metric of 1 without aborting anyone, the others went on to #5 and rank 3 waits in #4

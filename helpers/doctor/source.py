@@ -228,6 +228,26 @@ def _assignments(node: ast.AST, scope: Scope):
         yield from _assignments(child, inner)
 
 
+_ROOT_KEYWORDS = ("src", "dst", "root", "from_process", "group_src", "group_dst")
+_ROOTED = ("broadcast", "reduce", "broadcast_object_list")  # calls whose second argument is the root
+
+
+def root_argument(filename: str | None, line: int | None) -> str | None:
+    """The text of the root passed by the call at ``line`` (``src=owner``, ``from_process=owner``,
+    a broadcast's second argument); None when there is none to read."""
+    parsed = _tree(filename)
+    if parsed is None or line is None:
+        return None
+    for node in ast.walk(parsed[0]):
+        if isinstance(node, ast.Call) and node.lineno <= line <= (node.end_lineno or node.lineno):
+            for keyword in node.keywords:
+                if keyword.arg in _ROOT_KEYWORDS:
+                    return _text(keyword.value)
+            if len(node.args) >= 2 and _called_name(node.func) in _ROOTED:
+                return _text(node.args[1])
+    return None
+
+
 def values_read(filename: str | None, line: int | None, test: str) -> list[str]:
     """What gives the names in a condition's text (``test``, as at ``line``) their values, in the
     function around that line: each assignment's value (``+=`` too) and the test of the innermost

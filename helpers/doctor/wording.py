@@ -28,6 +28,7 @@ from helpers.doctor.source import (
     rank_condition,
     rank_conditional,
     returns_before,
+    root_argument,
     share_a_loop,
     source_line,
     swallowing_finally,
@@ -1321,7 +1322,26 @@ def root_summary(key: tuple[str, int], present: dict[int, Op], culprits: list[in
            if len(culprits) < len(present) else "")
     return (f"Ranks called {_op_name(op)}{' at ' + site if site else ''} (collective #{key[1]}) with "
             f"different roots: {'; '.join(parts)}. {odd}Every rank must pass the same {argument}, a "
-            f"global rank ({argument}=0, not {argument}=accelerator.process_index).")
+            f"global rank ({argument}=0, not {argument}=accelerator.process_index).{_hashed_root(present)}")
+
+
+SALTED_HASH = "Python salts hash() of a str or bytes per process (PYTHONHASHSEED)"
+
+
+def _hashed_root(present: dict[int, Op]) -> str:
+    """' Its root, owner, is read from 'hash(name) % world': Python salts hash() ...' when the root
+    the call passes is computed with hash() ('' otherwise): each rank computes another number."""
+    op = next((o for o in present.values() if o.file and o.line), None)
+    root = root_argument(op.file, op.line) if op is not None else None
+    if root is None:
+        return ""
+    read = [root, *_read_through(op.file, op.line or 0, root)]
+    hashed = next((text for text in read if "hash(" in text), None)
+    if hashed is None:
+        return ""
+    return (f" Its root, {root}, is read from '{hashed}': {SALTED_HASH}, so each rank computes a number of "
+            "its own; choose the root from something every rank holds alike (an index in a sorted list, "
+            "zlib.crc32 of the name's bytes).")
 
 
 def exited_summary(culprits: list[int], positions: dict[int, Position]) -> str:
