@@ -162,6 +162,39 @@ def test_two_ranks_each_sending_to_the_other_first_are_a_crossed_pair(leftovers)
     leftovers.check()
 
 
+def _pipeline_with_a_short_last_batch():
+    import torch
+    import torch.distributed as dist
+
+    for batch in (torch.ones(8), torch.ones(6)):  # the last batch is short: 3 micro-batches of 2
+        if dist.get_rank() == 0:
+            micro = batch.split(2)
+            for part in micro:
+                dist.send(part, dst=1)  # line: stage 0 sends
+            for part in micro:
+                dist.recv(part, src=1)  # line: stage 0 waits for gradients
+        else:
+            parts = [torch.empty(2) for _ in range(4)]
+            for part in parts:
+                dist.recv(part, src=0)  # line: stage 1 receives 4
+            for part in parts:
+                dist.send(part, dst=0)
+
+
+def test_two_pipeline_stages_waiting_on_each_other_with_uneven_counts_are_told_the_counts(leftovers):
+    # stage 0 sends 3 micro-batches of the short last batch and waits for their gradients; stage 1
+    # always receives 4 (m1 of a blind batch): no order of sends and recvs undoes that deadlock
+    found = _hung_run(_pipeline_with_a_short_last_batch, num_processes=2)
+    assert (found.kind, found.ranks) == ("collective-mismatch", [0, 1]), found.summary
+    assert f"a deadlock that {wording.UNEVEN_P2P}" in found.summary, found.summary
+    assert (f"Rank 0 sent to rank 1 7 times (send at {HERE}:{_line('stage 0 sends')}, inside the loop at "
+            f"{HERE}:{_line('stage 0 sends') - 1}), and rank 1 received from it 8 times.") in found.summary, \
+        found.summary
+    assert found.fix.startswith(wording.P2P_COUNT_CURE), found.fix
+    assert wording.CROSSED_P2P_CURE not in found.fix
+    leftovers.check()
+
+
 def _scatter_skips_a_send():
     import torch
     import torch.distributed as dist

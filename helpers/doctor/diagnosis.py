@@ -920,7 +920,10 @@ def _classify(positions: dict[int, Position], histories: dict[int, dict], views:
         return "rank-exited", exited, summary
     crossed = _crossed_p2p(positions)
     if crossed:
-        return "collective-mismatch", crossed, wording.crossed_p2p_summary(crossed, positions)
+        fewer = {rank: found for rank in crossed
+                 if (found := _fewer_matches(positions[rank], positions[rank].op.peer, views)) is not None}
+        summary = wording.crossed_p2p_summary(crossed, positions, fewer)
+        return "collective-mismatch", crossed, summary, *([wording.P2P_COUNT_CURE] if fewer else [])
     unanswered = _unanswered_p2p(positions)
     if unanswered:
         fewer = {rank: found for rank, peer in unanswered.items()

@@ -354,7 +354,7 @@ def fix(kind: str, culprits: list[Position], cures: list[str] | None = None) -> 
                                                                             or is_object_op(pos.op))
                                       for pos in culprits))]
     crossed = culprits and all(pos.op is not None and pos.op.p2p for pos in culprits)
-    if kind == "collective-mismatch" and crossed:
+    if kind == "collective-mismatch" and crossed and P2P_COUNT_CURE not in known:
         known.append(CROSSED_P2P_CURE)
     if kind == "shape-mismatch" and any(is_object_list(pos.op) for pos in culprits):
         known.append(OBJECT_LIST_CURE)
@@ -1883,8 +1883,11 @@ def _batch_text(op: Op) -> str:
     return f" ({', '.join(parts)})"
 
 
-def crossed_p2p_summary(crossed: list[int], positions: dict[int, Position]) -> str:
-    """Pairs of ranks each waiting in a send to the other (or each in a recv from the other)."""
+def crossed_p2p_summary(crossed: list[int], positions: dict[int, Position],
+                        fewer: dict[int, FewerMatches] | None = None) -> str:
+    """Pairs of ranks each waiting in a send to the other (or each in a recv from the other);
+    ``fewer``: for a waiting rank whose peer posted fewer matches than it made, those counts (not
+    a matter of order then: one side's loop ran fewer turns, a pipeline's last batch)."""
     parts = []
     for rank in crossed:
         pos = positions[rank]
@@ -1895,8 +1898,19 @@ def crossed_p2p_summary(crossed: list[int], positions: dict[int, Position]) -> s
         other = positions[peer]
         parts.append(f"Rank {rank} waits to {verb} rank {peer} ({_op_name(pos.op)}{_at(pos)}) while rank "
                      f"{peer} waits to {verb} rank {rank} ({_op_name(other.op)}{_at(other)})")
+    if fewer:
+        counts = "".join(_fewer_matches_text(rank, positions[rank].op.peer, found)
+                         for rank, found in sorted(fewer.items()))
+        return "; ".join(parts) + f": each waits for the other, a deadlock that {UNEVEN_P2P}:{counts}"
     return ("; ".join(parts) + ": each waits for the other to post the match, a deadlock (a blocking send "
             "need not return before its peer posts the recv).")
+
+
+UNEVEN_P2P = "no order of sends and receives undoes"  # in a summary: a pair's p2p counts differ
+P2P_COUNT_CURE = (
+    "Make each pair of ranks post as many receives as the other posts sends, in every step: derive the "
+    "loop counts on both sides from one number both hold (the micro-batch count, sent ahead; or a fixed "
+    "count, the last batch padded or dropped), not from data one side alone sees.")
 
 
 class FewerMatches(NamedTuple):
