@@ -1901,7 +1901,7 @@ def crossed_p2p_summary(crossed: list[int], positions: dict[int, Position],
     if fewer:
         counts = "".join(_fewer_matches_text(rank, positions[rank].op.peer, found)
                          for rank, found in sorted(fewer.items()))
-        return "; ".join(parts) + f": each waits for the other, a deadlock that {UNEVEN_P2P}:{counts}"
+        return "; ".join(parts) + f": each waits for the other, a deadlock that {UNEVEN_P2P}.{counts}"
     return ("; ".join(parts) + ": each waits for the other to post the match, a deadlock (a blocking send "
             "need not return before its peer posts the recv).")
 
