@@ -2342,6 +2342,11 @@ def test_a_rank_whose_metric_loop_ran_an_extra_turn_is_named_with_that_loop_not_
     assert ("Ranks 0, 1 and 3 have left the loop at train.py:6 after their calls of all_reduce at train.py:7 "
             "in a row and come round to train.py:5; rank 2 is still in it, issuing it once more") \
         in found.summary, found.summary
+    # gloo aborted rank 2: of its records, only its last call reached the job's leader (posted first)
+    found = doctor.diagnose({rank: _all_reduces(rank, str(path), calls[rank])
+                             for rank in range(4)} | {2: _all_reduces(2, str(path), calls[2][-1:], first=6)},
+                            4, "stall", 5.0)
+    assert "have left the loop at train.py:6 after their calls" in found.summary, found.summary
 
 
 def test_a_rank_whose_validation_loop_ran_out_first_is_said_to_have_left_it_not_the_batch_loop(tmp_path):

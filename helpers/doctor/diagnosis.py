@@ -1205,13 +1205,7 @@ def _repeated_call(present: dict[int, Op], histories: dict[int, dict], key: tupl
     by rank: accelerate's reduce and gather of a dict, a loop inside a library call).
     (culprits, {rank: the call's count in a row up to ``key``}, the call) or None; the culprits:
     the smaller side, else the ranks that issued more."""
-    group, seq = key
-    rows = {rank: _calls_in_a_row(histories.get(rank, {}), group, seq, op) for rank, op in present.items()}
-    known = next((row for row in rows.values() if row is not None), None)
-    for rank, row in rows.items():  # a rank whose calls before died with it (gloo aborted it, its
-        if row is None and known is not None and (group, seq - 1) not in histories.get(rank, {}) \
-                and _same_call(present[rank], known[1]):  # first call posted): the others' call again
-            rows[rank] = (None, known[1], True)
+    rows = _runs_before(present, histories, key)
     if any(row is None for row in rows.values()):
         return None
     again = sorted(rank for rank, row in rows.items() if row[2])
@@ -1237,7 +1231,7 @@ def _loop_turns(key: tuple[str, int], present: dict[int, Op], histories: dict[in
     others). None otherwise, and where the others went past the loop's end (``wording._left_loop``
     reads that: they may have skipped a call after it)."""
     group, seq = key
-    rows = {rank: _calls_in_a_row(histories.get(rank, {}), group, seq, op) for rank, op in present.items()}
+    rows = _runs_before(present, histories, key)
     if not rows or any(row is None for row in rows.values()):
         return None
     call = next(iter(rows.values()))[1]
@@ -1257,11 +1251,27 @@ def _loop_turns(key: tuple[str, int], present: dict[int, Op], histories: dict[in
                 or site[1] >= header or not share_a_loop(call.file, header, site[1]):
             return None  # not round an outer loop to a line before this one
         came_to.add(site[1])
-    calls = {rank: rows[rank][0] - rows[rank][2] for rank in rows}  # each rank's calls before #seq
-    counted = len(set(calls.values())) == 1 and all(
+    calls = {rank: None if row[0] is None else row[0] - row[2] for rank, row in rows.items()}  # before #seq
+    counted = len(set(calls.values())) == 1 and None not in calls.values() and all(
         seq - 1 - count <= 0 or (group, seq - 1 - count) in histories[rank] for rank, count in calls.items())
     return wording.LoopTurns(left, stayed, call, header, sorted(came_to),
                              next(iter(calls.values())) if counted else None)
+
+
+def _runs_before(present: dict[int, Op], histories: dict[int, dict], key: tuple[str, int]
+                 ) -> dict[int, tuple[int | None, Op, bool] | None]:
+    """Each rank's ``_calls_in_a_row`` up to ``key``; for a rank whose calls before died with it
+    (gloo aborted it; its call at ``key`` was posted) and that issues the call the others issued
+    before, that call again, its count unknown (None)."""
+    group, seq = key
+    rows: dict[int, tuple[int | None, Op, bool] | None] = {
+        rank: _calls_in_a_row(histories.get(rank, {}), group, seq, op) for rank, op in present.items()}
+    known = next((row for row in rows.values() if row is not None), None)
+    for rank, row in rows.items():
+        if row is None and known is not None and (group, seq - 1) not in histories.get(rank, {}) \
+                and _same_call(present[rank], known[1]):
+            rows[rank] = (None, known[1], True)
+    return rows
 
 
 def _issues_one_per_call(call: Op) -> bool:

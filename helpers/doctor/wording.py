@@ -952,7 +952,7 @@ def loop_turns_text(turns: LoopTurns, positions: dict[int, Position]) -> str:
         made = f"after {turns.calls} calls of {_op_name(call)} at {call.where}"
         again = f"issuing call {turns.calls + 1} there"
     else:
-        made = f"after their calls of {_op_name(call)} at {call.where} in a row"
+        made = f"after {'their' if several else 'its'} calls of {_op_name(call)} at {call.where} in a row"
         again = "issuing it once more"
     stayed = ranks_text(turns.stayed).replace("Rank", "rank") + (" is" if len(turns.stayed) == 1 else " are")
     header = source_line({"file": call.file, "line": turns.header}).strip()
