@@ -195,6 +195,28 @@ def test_two_pipeline_stages_waiting_on_each_other_with_uneven_counts_are_told_t
     leftovers.check()
 
 
+def _reduce_to_a_rank_outside_its_group():
+    import torch
+    import torch.distributed as dist
+
+    alone = dist.new_group([1])  # every rank makes it
+    counts = torch.ones(4)
+    if dist.get_rank() == 1:
+        dist.reduce(counts, dst=0, group=alone)  # line: dst outside the group
+    dist.all_reduce(counts)
+
+
+def test_a_rank_whose_collective_rejected_its_arguments_is_the_culprit_not_an_echo(leftovers):
+    # torch's own check raised ValueError naming a ProcessGroup: the rank's error, not the network's
+    # (n5 of a blind batch: a reduce to global rank 0 inside a per-node group, "unknown" before)
+    found = doctor.run_function(_reduce_to_a_rank_outside_its_group, num_processes=2, stall_s=3.0,
+                                timeout_s=60)
+    assert (found.kind, found.ranks) == ("rank-exited", [1]), found.text()
+    assert "Rank 1 raised ValueError: Global rank 0 is not part of group" in found.summary, found.summary
+    assert found.per_rank[1].location == f"{HERE}:{_line('dst outside the group')}"
+    leftovers.check()
+
+
 def _scatter_skips_a_send():
     import torch
     import torch.distributed as dist

@@ -685,10 +685,12 @@ def _init_echo(error: str) -> bool:
 
 # ...unless it says the rank's own arguments were wrong ('ProcessGroupGloo::allgather: invalid output
 # tensor list at index 0 (expected length 2, got 3)', 'ProcessGroupGloo::scatter: Incorrect input list
-# size 3. Input list size should be 4', 'requires a single-element input list'): the backend names
-# itself in those too
+# size 3. Input list size should be 4', 'requires a single-element input list'; torch's checks in
+# Python raise ValueError or TypeError: 'ValueError: Global rank 0 is not part of group
+# <...ProcessGroup object at ...>', a dst outside the group): the backend names itself in those too
 _ARGUMENT_ERROR = re.compile(r"invalid|expected|must (be|have|match)|does ?n[o']?t match|mismatch|"
-                             r"unsupported|not supported|incorrect|requires a single", re.IGNORECASE)
+                             r"unsupported|not supported|incorrect|requires a single|not part of group|"
+                             r"^(ValueError|TypeError):", re.IGNORECASE)
 
 
 # Python's own socket and pipe errors are never the process group's (torch raises its own types):
