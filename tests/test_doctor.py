@@ -434,6 +434,30 @@ def _gather_inside_main_process_first():
         accelerator.gather(torch.tensor([accelerator.process_index]))  # line: gather inside
 
 
+def _stats_of(accelerator, values):
+    import torch
+
+    return accelerator.reduce({"sum": torch.tensor([float(sum(values))])})  # line: reduce in a helper
+
+
+def _dataset_built_inside_main_process_first():
+    from accelerate import Accelerator
+
+    accelerator = Accelerator(cpu=True)
+    with accelerator.main_process_first():  # line: builds first
+        _stats_of(accelerator, [accelerator.process_index])
+
+
+def test_a_collective_in_a_function_called_inside_main_process_first_is_named_with_the_block(leftovers):
+    # n7 of a blind batch: a dataset's feature statistics reduced inside a function the block calls
+    found = _hung_run(_dataset_built_inside_main_process_first)
+    assert (found.kind, found.ranks) == ("collective-mismatch", [0]), found.summary
+    assert f"The block at {HERE}:{_line('builds first')} runs on the main process" in found.summary, \
+        found.summary
+    assert found.fix.startswith(wording.GOES_FIRST_CURE)
+    leftovers.check()
+
+
 def test_a_collective_inside_main_process_first_is_named_against_the_blocks_own_barrier(leftovers):
     found = _hung_run(_gather_inside_main_process_first)
     assert (found.kind, found.ranks) == ("collective-mismatch", [0]), found.summary

@@ -1092,20 +1092,31 @@ def _grouped(present: dict[int, Op]) -> dict[tuple, list[int]]:
     return groups
 
 
-def _goes_first(present: dict[int, Op]) -> tuple[list[int], str] | None:
-    """The ranks that issued a collective inside a ``main_process_first`` block while every other
-    rank waits in a barrier at the block's header (the barrier the block puts the others in), and
-    that header ('train.py:12'); None otherwise."""
-    headers = {rank: goes_first_block(op.file, op.line) for rank, op in present.items()}
-    if None in headers.values() or len({(op.file, headers[rank]) for rank, op in present.items()}) != 1:
+def _goes_first(present: dict[int, Op], positions: dict[int, Position]) -> tuple[list[int], str] | None:
+    """The ranks that issued a collective inside a ``main_process_first`` block (there, or in a
+    function called there) while every other rank waits in a barrier at the block's header (the
+    barrier the block puts the others in), and that header ('train.py:12'); None otherwise."""
+    headers = {rank: _goes_first_header(op, positions.get(rank)) for rank, op in present.items()}
+    if None in headers.values() or len(set(headers.values())) != 1:
         return None
-    header = next(iter(headers.values()))
-    waiting = [rank for rank, op in present.items() if op.line == header]
+    file, header = next(iter(headers.values()))  # type: ignore[misc] - no None left
+    waiting = [rank for rank, op in present.items() if op.file == file and op.line == header]
     inside = sorted(rank for rank in present if rank not in waiting)
     if not waiting or not inside or any(canonical_op(present[rank].op) != "barrier" for rank in waiting):
         return None
-    op = present[waiting[0]]
-    return inside, f"{Path(op.file).name}:{header}"
+    return inside, f"{Path(file).name}:{header}"
+
+
+def _goes_first_header(op: Op, pos: Position | None) -> tuple[str, int] | None:
+    """The file and header line of the ``main_process_first`` block around the call, or around the
+    innermost of the user's lines that led to it (``Position.callers``)."""
+    callers = reversed(pos.callers) if pos is not None else ()
+    frames = [(op.file, op.line)] + [(file, line) for file, line, _where in callers]
+    for file, line in frames:
+        header = goes_first_block(file, line)
+        if file and header is not None:
+            return file, header
+    return None
 
 
 def _loop_cures(summary: str) -> list[str]:
@@ -1136,7 +1147,7 @@ def _divergence_kind(divergence, positions, histories, views):
         culprits = _split_culprits(present, pairs)
         summary = wording.split_summary(key, present, pairs, culprits)
         return "shape-mismatch", culprits, summary, wording.SPLIT_CURE
-    first = _goes_first(present)
+    first = _goes_first(present, positions)
     if first is not None:
         inside, header = first
         return ("collective-mismatch", inside, wording.goes_first_summary(key, present, inside, header),
