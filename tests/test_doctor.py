@@ -2535,6 +2535,45 @@ def test_a_root_computed_with_pythons_salted_hash_is_named(tmp_path):
     assert source.root_argument(str(other), 3) == "2"
 
 
+_ON_MAIN_PROCESS = """\
+import torch.distributed as dist
+from accelerate import Accelerator
+accelerator = Accelerator()
+@accelerator.on_main_process
+def report(t):
+    dist.all_gather([t], t)
+def main(t):
+    for epoch in range(2):
+        dist.broadcast(t, 0)
+        report(t)
+main(None)
+"""
+
+
+def test_a_collective_in_a_function_accelerate_runs_on_the_main_process_alone_is_a_branch_on_the_rank(
+        tmp_path):
+    # n1 of a blind batch: gather_for_metrics in a validation report decorated with
+    # @accelerator.on_main_process; the others came round to the next epoch's broadcast
+    path = tmp_path / "train.py"
+    path.write_text(_ON_MAIN_PROCESS)
+    views = {}
+    for rank in range(3):
+        calls = [("broadcast", 9), ("all_gather", 6) if rank == 0 else ("broadcast", 9)]
+        views[rank] = doctor.RankView(rank)
+        for op_id, (op, line) in enumerate(calls, start=1):
+            views[rank].apply({"ev": "op", "id": op_id, "op": op, "pg": "0", "seq": op_id, "shapes": [[2]],
+                               "dtypes": ["float32"], "file": str(path), "line": line,
+                               "where": f"train.py:{line}", "t": 10.0 + op_id,
+                               **({"te": 10.5 + op_id, "ok": True} if op_id == 1 else {})})
+    found = doctor.diagnose(views, 3, "stall", 5.0)
+    assert (found.kind, found.ranks) == ("collective-mismatch", [0]), found.text()
+    assert "(rank 0's call under '@accelerator.on_main_process' at train.py:4)" in found.summary, \
+        found.summary
+    assert "left the loop" not in found.summary, found.summary
+    assert source.rank_condition(str(path), 6) == (4, "accelerator.on_main_process", "@")
+    assert source.rank_condition(str(path), 9) is None
+
+
 def test_a_swallowed_metric_that_four_ranks_went_past_is_named_with_its_except_and_not_as_waited_in():
     # the same script as a 2 x 2 torchrun job under the doctor: gloo paired rank 3's 8 floats with the
     # others' metric of 1 without aborting anyone, the others went on to #5 and rank 3 waits in #4

@@ -58,6 +58,24 @@ def rank_condition(filename: str | None, line: int | None) -> tuple[int, str, st
         if _RANK_TEST.search(_without_minus_one(node.test)) \
                 or _names_in(node.test) & _visible(derived, node.lineno):
             return found
+    return _rank_decorator(parsed[0], line)
+
+
+_ON_PROCESS = re.compile(r"\bon_(main|local_main|last)_process\b|\bon_(local_)?process\(")  # accelerate's
+
+
+def _rank_decorator(tree: ast.AST, line: int) -> tuple[int, str, str] | None:
+    """A decorator that runs the function around ``line`` on some ranks alone (accelerate's
+    ``@accelerator.on_main_process``, ``on_local_main_process``, ``on_last_process``,
+    ``on_process(process_index=1)``), as (its line, its text, "@"); None when there is none."""
+    functions = [node for node in ast.walk(tree) if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef))
+                 and node.lineno <= line <= (node.end_lineno or 0)]
+    functions.sort(key=lambda node: node.lineno, reverse=True)  # the innermost first
+    for function in functions:
+        for decorator in function.decorator_list:
+            text = _text(decorator)
+            if _ON_PROCESS.search(text):
+                return decorator.lineno, _cut(text), "@"
     return None
 
 

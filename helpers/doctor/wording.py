@@ -1592,9 +1592,11 @@ def _own_branch(pos: Position) -> str:
 
 
 def _branch_words(found: tuple[int, str, str], file: str) -> str:
-    """"'if x:' at train.py:7", "the else of 'if x:' at ...", "'elif x:' at ...": an ``if`` as
-    ``source.rank_condition`` gives it."""
+    """"'if x:' at train.py:7", "the else of 'if x:' at ...", "'elif x:' at ...", "'@accelerator.
+    on_main_process' at ...": an ``if`` (or a decorator) as ``source.rank_condition`` gives it."""
     at, test, branch = f"{Path(file).name}:{found[0]}", found[1], found[2]
+    if branch == "@":  # a decorator that runs its function on some ranks alone
+        return f"'@{test}' at {at}"
     if branch == "else":
         return f"the else of 'if {test}:' at {at}"
     return f"'{branch} {test}:' at {at}"
