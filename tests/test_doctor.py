@@ -217,6 +217,30 @@ def test_a_rank_whose_collective_rejected_its_arguments_is_the_culprit_not_an_ec
     leftovers.check()
 
 
+def _a_mesh_row_alone_reduces_across_nodes():
+    import torch
+    import torch.distributed as dist
+
+    rank = dist.get_rank()
+    columns = [dist.new_group([0, 2]), dist.new_group([1, 3])]  # every rank makes both
+    if rank < 2:  # the first row alone
+        dist.all_reduce(torch.ones(2), group=columns[rank % 2])  # line: one row's column reduce
+    dist.all_reduce(torch.ones(3))
+
+
+def test_a_subgroup_call_skipped_alike_in_each_column_of_a_mesh_names_every_skipper(leftovers):
+    # n4 of a blind batch: a device mesh's cross-node reduce under 'if node == 0:': ranks 0 and 1
+    # wait for ranks 2 and 3, each in a group of its own; both skippers are named, not the first alone
+    found = _hung_run(_a_mesh_row_alone_reduces_across_nodes, num_processes=4)
+    assert (found.kind, found.ranks) == ("collective-mismatch", [2, 3]), found.summary
+    assert found.summary.startswith("Rank 2 never issued the all_reduce of group 1 (ranks 0 and 2)"), \
+        found.summary
+    reduce = _line("one row's column reduce")
+    assert (f" Likewise, rank 3 never issued the all_reduce of group 2 (ranks 1 and 3) that rank 1 waits in "
+            f"at {HERE}:{reduce}.") in found.summary, found.summary
+    leftovers.check()
+
+
 def _scatter_skips_a_send():
     import torch
     import torch.distributed as dist

@@ -935,12 +935,13 @@ def _classify(positions: dict[int, Position], histories: dict[int, dict], views:
         return "rank-missing", _first_in_chains(unanswered), summary, *cures
     skipped = _skipped_group_collective(positions, histories)
     if skipped is not None:
-        ranks, waiter, members, crossed = skipped
+        ranks, waiter, members, crossed, likewise = skipped
         if crossed:
             ranks = sorted({waiter.rank, *ranks})
             return ("collective-mismatch", ranks, wording.crossed_groups_summary(ranks, positions, members),
                     wording.CROSSED_GROUPS_CURE)
-        summary = wording.skipped_group_summary(ranks, waiter, positions, members)
+        summary = wording.skipped_group_summary(ranks, waiter, positions, members, likewise)
+        ranks = sorted({*ranks, *(rank for more, _other in likewise for rank in more)})
         return "collective-mismatch", ranks, summary, *_loop_cures(summary)
     missing = _missing_ranks(positions)
     if missing:
@@ -1744,8 +1745,8 @@ def _skipped_group_collective(positions: dict[int, Position], histories: dict[in
     the skippers are named; else, the groups as large, the ranks issue the groups' collectives in
     different orders ("crossed"), and the waiter and those ranks are named.
     A group's members are its ranks as recorded (a subgroup's, ``Op.pg_ranks``), and the ranks seen
-    issuing its collectives. (those ranks, the waiter's position, each group's ranks, crossed) or
-    None."""
+    issuing its collectives. (those ranks, the waiter's position, each group's ranks, crossed, the
+    same call's waits on other subgroups skipped alike: ``_likewise_skipped``) or None."""
     waiting = {rank: pos for rank, pos in positions.items() if pos.state == "in-collective"
                and pos.op is not None and pos.seq is not None and not pos.op.p2p}
     issued: dict[tuple[int, str], int] = {}  # (rank, group) -> the highest number it issued there
@@ -1758,19 +1759,39 @@ def _skipped_group_collective(positions: dict[int, Position], histories: dict[in
     def not_issued(rank: int, group: str, seq: int) -> bool:  # a member that has not issued it yet
         return rank in members.get(group, ()) and issued.get((rank, group), 0) < seq
 
+    def skippers(pos: Position) -> list[int]:
+        return sorted(rank for rank, other in waiting.items() if other.op.pg != pos.op.pg
+                      and not_issued(rank, pos.op.pg, pos.seq)
+                      and not_issued(pos.rank, other.op.pg, other.seq))
+
     for pos in sorted(waiting.values(), key=lambda p: (len(members.get(p.op.pg, ())), p.rank)):
-        group = pos.op.pg
-        ranks = sorted(rank for rank, other in waiting.items() if other.op.pg != group
-                       and not_issued(rank, group, pos.seq) and not_issued(pos.rank, other.op.pg, other.seq))
+        group, ranks = pos.op.pg, skippers(pos)
         if ranks:
             crossed = all(len(members[waiting[rank].op.pg]) == len(members[group])
                           and not rank_conditional(waiting[rank].file, waiting[rank].line) for rank in ranks)
             crossed = crossed and not rank_conditional(pos.file, pos.line)
-            return ranks, pos, {name: sorted(ranks) for name, ranks in members.items()}, crossed
+            likewise = [] if crossed else _likewise_skipped(pos, ranks, waiting, skippers)
+            return ranks, pos, {name: sorted(ranks) for name, ranks in members.items()}, crossed, likewise
     cycle = _wait_cycle(waiting, lambda rank, pos: not_issued(rank, pos.op.pg, pos.seq))
     if cycle:  # three or more groups: each rank waits for the next, the last for the first
-        return cycle, waiting[cycle[0]], {name: sorted(ranks) for name, ranks in members.items()}, True
+        return cycle, waiting[cycle[0]], {name: sorted(ranks) for name, ranks in members.items()}, True, []
     return None
+
+
+def _likewise_skipped(waiter: Position, skipped: list[int], waiting: dict[int, Position],
+                      skippers: Callable[[Position], list[int]]) -> list[tuple[list[int], Position]]:
+    """The same call's waits on other subgroups, skipped alike (a device mesh's other rows, each
+    on a group of its own): (their skippers, the waiting rank), one per group."""
+    seen = {waiter.op.pg, *(waiting[rank].op.pg for rank in skipped)}
+    found = []
+    for other in sorted(waiting.values(), key=lambda pos: pos.rank):
+        if other.op.pg in seen or other.where != waiter.where:
+            continue
+        ranks = [rank for rank in skippers(other) if rank not in skipped]
+        if ranks:
+            seen.add(other.op.pg)
+            found.append((ranks, other))
+    return found
 
 
 def _wait_cycle(waiting: dict[int, Position], holds: Callable[[int, Position], bool]) -> list[int]:

@@ -1762,10 +1762,20 @@ def gave_up(positions: dict[int, Position]) -> list[int]:
 
 
 def skipped_group_summary(skipped: list[int], waiter: Position, positions: dict[int, Position],
-                          members: dict[str, list[int]]) -> str:
+                          members: dict[str, list[int]],
+                          likewise: list[tuple[list[int], Position]] | None = None) -> str:
     """Ranks that did not issue a collective of their group that another member waits in, and
     wait in a collective of another group instead (which the waiting member cannot reach);
-    ``members``: each group's ranks, as far as their collectives were seen."""
+    ``members``: each group's ranks, as far as their collectives were seen; ``likewise``: the same
+    call's other groups skipped alike (their skippers, the rank that waits there)."""
+    return _skipped_group_text(skipped, waiter, positions, members) + "".join(
+        f" Likewise, {ranks_text(ranks).lower()} never issued the {_op_name(other.op)} of "
+        f"{group_text(other.op, members)} that rank {other.rank} waits in{_at(other)}."
+        for ranks, other in likewise or [])
+
+
+def _skipped_group_text(skipped: list[int], waiter: Position, positions: dict[int, Position],
+                        members: dict[str, list[int]]) -> str:
     seq = f" (its collective #{waiter.seq})" if waiter.seq is not None else ""
     own = (f"{ranks_text(skipped)} never issued the {_op_name(waiter.op)} of "
            f"{group_text(waiter.op, members)} that rank {waiter.rank} waits in{_at(waiter)}{seq}")
