@@ -356,6 +356,23 @@ def test_a_posted_call_the_other_ranks_completed_does_not_hold_its_rank_in_it():
     assert (found.per_rank[3].state, found.per_rank[3].op) == ("outside-collective", None), found.per_rank[3]
 
 
+def test_a_silent_rank_whose_last_progress_note_is_stale_is_placed_outside_any_collective():
+    # l4 of a blind batch, 1 run in 3-4: rank 3's helper thread noted DDP's first broadcasts enqueued
+    # and none completed, then the rank went on and hung in a regex holding the GIL: no note since.
+    # Read with py-spy, it is in its own code; the others completed #8 with it: "unknown" before
+    init = {**_op_record(0, 0, "init_process_group", 3, done=False), "te": 10.2, "ok": True}
+    waiting = {"recs": [init, _op_record(9, 9, line=72, done=False)], "stack": [], "progress": {"0": [9, 8]},
+               "fr": []}
+    answers = {rank: waiting for rank in range(3)}
+    beats = {rank: Seen({"n": 5, "machine": "here", "pid": os.getpid()}) for rank in range(3)}
+    beats[3] = Seen({"n": 9, "machine": "there", "pid": 1, "recs": [init], "progress": {"0": [2, -1]},
+                     "site": {"file": "train.py", "line": 44, "where": "train.py:44"}})
+    stacks = {3: [{"file": "train.py", "line": 44, "func": "tokens", "user": True, "where": "train.py:44"}]}
+    found = leader.diagnose_answers(4, "stall", 5.0, answers, beats, "here", stacks, {})
+    assert (found.kind, found.ranks) == ("rank-missing", [3]), found.summary
+    assert (found.per_rank[3].state, found.per_rank[3].location) == ("outside-collective", "train.py:44")
+
+
 def test_a_rank_never_heard_from_is_placed_as_starting_and_looked_at_again_not_named_as_ended():
     # CI under load, notebook 05's 3-node job at stall_s 3: rank 1 was still importing torch (its
     # doctor not yet on the board) while ranks 0 and 2 waited in init_process_group; it was named

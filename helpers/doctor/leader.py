@@ -15,7 +15,7 @@ from typing import Any
 
 from helpers.doctor.board import Seen
 from helpers.doctor.diagnosis import Diagnosis, diagnose
-from helpers.doctor.records import RankView
+from helpers.doctor.records import WORLD_PG, RankView
 
 EVIDENCE_WAIT_S = 2.0  # the leader waits this long for the ranks' answers
 PY_SPY_S = 2.0  # reading a silent rank of the leader's machine with py-spy
@@ -111,6 +111,7 @@ def diagnose_answers(world: int, reason: str, since_s: float, answers: dict[int,
     A rank with neither is placed as not heard from yet (``RankView.unheard``), not as ended."""
     views, notes, silent_ends = {}, [], []
     vanished = {r for seen in beats.values() for r in (seen.beat.get("exit") or {}).get("gone") or []}
+    floor = _completed_by_all(answers)
     for rank in range(world):
         seen = beats.get(rank)
         if rank in answers:
@@ -130,7 +131,7 @@ def diagnose_answers(world: int, reason: str, since_s: float, answers: dict[int,
             elif not seen.beat.get("exit") and rank in (stacks or {}):
                 view.state["stack"], view.silent = stacks[rank], True
                 if not _in_torch_distributed(stacks[rank]):  # its last beat caught it in a call that returned
-                    _returned_since_beat(view)
+                    _returned_since_beat(view, floor)
                 notes.append(f"rank {rank} did not answer in {EVIDENCE_WAIT_S:.0f} s (native code holding "
                              "the GIL): its stack was read with py-spy")
             elif not seen.beat.get("exit"):
@@ -162,10 +163,28 @@ def _in_torch_distributed(frames: list[dict[str, Any]]) -> bool:
     return any("/torch/distributed/" in (frame.get("file") or "").replace("\\", "/") for frame in frames)
 
 
-def _returned_since_beat(view: RankView) -> None:
+def _completed_by_all(answers: dict[int, dict[str, Any]]) -> int:
+    """The highest number of the default group that every rank that answered has completed (0 when
+    none answered): every rank of the world took part in each of those collectives."""
+    done = []
+    for answer in answers.values():
+        try:
+            done.append(int((answer.get("progress") or {})[WORLD_PG][1]))
+        except (KeyError, TypeError, ValueError, IndexError):
+            return 0
+    return max(min(done, default=0), 0)
+
+
+def _returned_since_beat(view: RankView, floor: int = 0) -> None:
     """A rank whose stack, read after its last heartbeat, is outside torch.distributed: the blocking
-    calls that heartbeat showed open have returned, their collectives completed."""
+    calls that heartbeat showed open have returned, their collectives completed, and so have the
+    default group's collectives up to ``floor``, which the others completed with it (a rank that
+    went on from its last note, taken long before, into native code holding the GIL: its helper
+    thread could note no progress since)."""
     progress = dict(view.progress)
+    if floor and WORLD_PG in progress:
+        enqueued, done = progress[WORLD_PG]
+        progress[WORLD_PG] = [max(enqueued, floor), max(done, floor)]
     for op_id, op in list(view.open.items()):
         if op.async_:  # an isend or irecv stays open until its wait() returns, outside torch's Python
             continue
