@@ -361,8 +361,7 @@ def cached_function(filename: str | None, line: int | None) -> tuple[str, int, s
     otherwise. Its body runs only on a cache miss."""
     function = _innermost(filename, line, (ast.FunctionDef, ast.AsyncFunctionDef))
     for decorator in function.decorator_list if function is not None else []:
-        called = decorator.func if isinstance(decorator, ast.Call) else decorator
-        name = called.attr if isinstance(called, ast.Attribute) else getattr(called, "id", "")
+        name = _called_name(decorator.func if isinstance(decorator, ast.Call) else decorator)
         if name in _CACHES:
             return function.name, decorator.lineno, name
     return None
@@ -414,6 +413,7 @@ _CHAIN_DEPTH = 16  # functions followed up from a line by ``call_chain``
 
 
 def _called_name(func: ast.AST) -> str | None:
+    """A called (or decorating) name's last part: ``validate``, ``accelerator.reduce`` -> reduce."""
     if isinstance(func, ast.Name):
         return func.id
     return func.attr if isinstance(func, ast.Attribute) else None

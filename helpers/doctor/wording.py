@@ -775,7 +775,7 @@ def _deciding_text(culprits: list[int], present: dict[int, Op], form: str,
     user's line that made a call DDP issued, from ``positions``): form ' ' gives a sentence ('The
     calls of ranks 0 and 3 are under ..., a condition each rank decides for itself.'), form '(' a
     parenthesis (' (their calls are under ...)'); '' when there is none."""
-    sites = [call_site(op, (positions or {}).get(rank)) for rank in culprits if (op := present.get(rank))]
+    sites = [_site(op, (positions or {}).get(rank)) for rank in culprits if (op := present.get(rank))]
     deciding = {(site[0], found) for site in sites if site is not None
                 and (found := decided_per_rank(*site))}
     if len(deciding) != 1:
@@ -914,7 +914,7 @@ LOCAL_AND_GLOBAL = ("A test of the local rank (the process's index on its node) 
 def _loop_left_text(present: dict[int, Op], culprits: list[int], positions: dict[int, Position]) -> str:
     """``_left_loop``'s sentence, the culprits as the leavers or as the stayers, and the except that
     swallows errors around the leavers' call when there is one (the stayers may have skipped it)."""
-    sites = {rank: call_site(op, positions.get(rank)) for rank, op in present.items()}
+    sites = {rank: _site(op, positions.get(rank)) for rank, op in present.items()}
     mine = sorted(rank for rank in culprits if rank in present)
     others = sorted(rank for rank in present if rank not in culprits)
     left = (_left_loop(sites, mine, others, "the others", positions)
@@ -1004,10 +1004,10 @@ def turn_skipped(present: dict[int, Op], positions: dict[int, Position]) -> Turn
 
 def call_sites(present: dict[int, Op], positions: dict[int, Position]
                      ) -> dict[int, tuple[str, int] | None]:
-    """Each rank's call site (``call_site``); for a rank whose site is unknown (DDP's call, issued
+    """Each rank's call site (``_site``); for a rank whose site is unknown (DDP's call, issued
     from C++, by a rank that left before its stack was read), the one site of the ranks that issued
     the same collective, op and shapes alike."""
-    sites = {rank: call_site(op, positions.get(rank)) for rank, op in present.items()}
+    sites = {rank: _site(op, positions.get(rank)) for rank, op in present.items()}
     for rank, site in sites.items():
         if site is None:
             alike = {sites[other] for other, op in present.items()
@@ -1275,7 +1275,7 @@ def _exit_condition(test: str) -> str:
     return f" (in {test})" if test.startswith("except") else f" (if {test})"
 
 
-def call_site(op: Op, pos: Position | None) -> tuple[str, int] | None:
+def _site(op: Op, pos: Position | None) -> tuple[str, int] | None:
     """The user's file and line of a rank's call (its position's when the op has none: DDP's)."""
     if op.file and op.line:
         return op.file, op.line
