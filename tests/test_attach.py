@@ -29,6 +29,7 @@ HANG = textwrap.dedent("""\
             return 2
 
         def __getitem__(self, index):
+            pathlib.Path(os.environ["READY_DIR"], "worker-in-getitem").touch()
             while True:  # line: worker
                 time.sleep(0.05)
 
@@ -71,9 +72,11 @@ class Job:
                                                 stderr=subprocess.DEVNULL, stdin=subprocess.DEVNULL))
 
     def wait_ready(self) -> None:
-        """Until every rank created its group (a file each); then the job hangs for good."""
+        """Until every rank created its group (a file each) and the culprit's DataLoader worker is in
+        the dataset; then the job hangs for good."""
         deadline = time.monotonic() + START_S
-        while len(list(self.folder.glob("ready-*"))) < self.world:
+        worker = self.folder / "worker-in-getitem"
+        while len(list(self.folder.glob("ready-*"))) < self.world or not worker.exists():
             assert time.monotonic() < deadline, "the job's ranks did not start"
             assert all(agent.poll() is None for agent in self.agents), "an agent ended early"
             time.sleep(0.1)

@@ -829,6 +829,26 @@ def test_a_flight_recorder_entry_after_an_async_call_returned_is_not_that_calls(
     assert (found[("0", 110)].line, found[("0", 110)].shapes) == (None, [[2632]])
 
 
+def test_a_flight_recorder_entry_is_not_taken_by_a_call_on_another_group():
+    """Times seen on rank 0 of a healthy job (p3 of a blind batch): a thread of its own reduced
+    metrics on a second group, blocking, and began 74 us after the main thread's async all_reduce of
+    a gradient, whose Flight Recorder entry on the default group was created 1.3 ms later, inside the
+    thread's call. The entry was taken for that call, with its line and shape, and the job was failed
+    as a mismatch with the other ranks, in 2 of 4 runs."""
+    from helpers.doctor.records import RankView
+
+    view = RankView(0)
+    view.apply({"ev": "op", "id": 999, "op": "all_reduce", "pg": "0", "seq": 857, "t": 4.438745,
+                "async": True, "shapes": [[256]], "where": "train.py:59", "line": 59})
+    view.apply({"ev": "op", "id": 1000, "op": "all_reduce", "pg": "1", "pg_ranks": [0, 1], "seq": 142,
+                "t": 4.438819, "te": 4.442965, "ok": True, "shapes": [[3]], "where": "train.py:27",
+                "line": 27, "thread": "7"})
+    view.state = {"fr": [{"profiling_name": "gloo:all_reduce", "collective_seq_id": 857, "pg": "0",
+                          "time_created_ns": 4_440_088_077, "input_sizes": [[256]], "retired": True}]}
+    found = diagnosis_module.history(view)[("0", 857)]
+    assert (found.shapes, found.line) != ([[3]], 27), found
+
+
 def _view_of_calls(calls, fr_threads):
     """A rank's view: Python calls (op, seq, line, start, end) on the default group, and its Flight
     Recorder entries of those numbers, each issued by the thread given (thread id, main thread?)."""

@@ -319,12 +319,15 @@ def history(view: RankView) -> dict[tuple[str, int], Op]:
     if not fr:
         return python_history(view)
     entries: dict[tuple[str, int], Op] = {}
+    on_group: dict[str, list[Op]] = {}  # the Python-level calls by group
     for entry in fr:
         if entry.get("is_p2p"):
             continue
         created = (entry.get("time_created_ns") or 0) / 1e9
-        owner = _owner(python, created)
         op = fr_op(entry)
+        if op.pg not in on_group:
+            on_group[op.pg] = [each for each in python if each.pg in (op.pg, None, "?")]
+        owner = _owner(on_group[op.pg], created)
         op.ok = True if entry.get("retired") else None
         if owner is not None:
             _adopt(op, owner, entry["profiling_name"])
@@ -357,7 +360,9 @@ def _owner(python: list[Op], created: float) -> Op | None:
     the slack of a short barrier's entry: it must not take it, as it did under load). An async
     call's times end where it returned, not where its work completed: DDP's gradient all-reduce,
     issued from C++ meanwhile (under Join, after its async all_reduces), is not its; its return
-    is read after the call, so no slack is given to it (DDP's next entry came 100 us later)."""
+    is read after the call, so no slack is given to it (DDP's next entry came 100 us later).
+    ``python``: the calls on the entry's group alone (a thread's blocking all_reduce on a group of its
+    own holds the times of the main thread's entries on the default group)."""
     for slack in (0.0, _CLOCK_SLACK_S):
         for op in reversed(python):
             if op.start is None:
