@@ -4283,3 +4283,139 @@ def _rejected_then_fallback():
         dist.all_gather([torch.zeros(2)], tensor)
     except (RuntimeError, ValueError):
         dist.all_gather([torch.zeros(2) for _ in range(dist.get_world_size())], tensor)
+
+
+def _warm_start(path):
+    import os
+
+    import torch
+    import torch.distributed as dist
+
+    if not os.path.isfile(path):  # line: file test
+        return 0
+    weights = torch.load(path)
+    for tensor in weights.values():
+        dist.broadcast(tensor, src=0)  # line: warm broadcast
+    return 1
+
+
+def _warm_start_from_a_file_one_node_wrote(folder):
+    import os
+
+    import torch
+    import torch.distributed as dist
+
+    rank = dist.get_rank()
+    path = os.path.join(folder, f"node{rank}", "stage1.pt")  # each rank's own working folder, as a node's
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    if rank == 0:
+        torch.save({"w": torch.ones(64), "b": torch.zeros(8)}, path)
+    dist.barrier()
+    _warm_start(path)  # line: warm start
+    dist.all_reduce(torch.ones(2))  # line: after warm start
+
+
+def test_a_return_before_the_others_collective_on_a_rank_without_the_file_is_named_with_its_test(
+        tmp_path, leftovers):
+    # rank 1 returned from the warm start: its file test found no checkpoint in its own folder, as a
+    # node's ranks find none that another node wrote. The doctor named rank 0, and told of a loop
+    # rank 1 had left: the loop over the weights that it never entered (o1 of a blind batch)
+    found = doctor.run_function(_warm_start_from_a_file_one_node_wrote, kwargs={"folder": str(tmp_path)},
+                                num_processes=2, stall_s=2.0, timeout_s=60)
+    assert (found.kind, found.ranks) == ("collective-mismatch", [1]), found.text()
+    assert (f"Rank 1 has returned early from the call at {HERE}:{_line('warm start')} that rank 0 is still "
+            f"in, at {HERE}:{_line('warm broadcast')} (their broadcast): the return at {HERE}:"
+            f"{_line('file test') + 1} (if not os.path.isfile(path)) leaves before "
+            f"{HERE}:{_line('warm broadcast')} on the ranks where its condition holds.") in found.summary, \
+        found.summary
+    assert "reads this node's own filesystem" in found.summary
+    assert found.fix.startswith("Decide from a file once, on one rank"), found.fix
+    leftovers.check()
+
+
+def _area_under_curve(labels):
+    if len(set(labels)) < 2:
+        raise ValueError("Only one class present in y_true")
+    return 0.5
+
+
+def _evaluate(labels):
+    import torch
+    import torch.distributed as dist
+
+    try:
+        auc = _area_under_curve(labels)
+        dist.all_reduce(torch.tensor([auc]))  # line: metric reduce
+    except ValueError:  # line: swallowing except
+        return None
+    return auc
+
+
+def _a_metric_whose_error_is_caught_on_one_rank():
+    import torch
+    import torch.distributed as dist
+
+    labels = [0, 0] if dist.get_rank() == 0 else [0, 1]  # rank 0's shard holds one class
+    for _epoch in range(2):
+        dist.all_reduce(torch.ones(4))
+        _evaluate(labels)  # line: evaluate
+        dist.barrier()  # line: epoch barrier
+
+
+def test_a_rank_whose_error_an_except_swallowed_is_said_to_have_returned_early_not_the_others_to_come_round(
+        leftovers):
+    # rank 0's metric raised ValueError in the try and its except returned: it went on to the epoch's
+    # barrier. The others were told to have come round the epoch loop without that barrier (o3 of a
+    # blind batch)
+    found = doctor.run_function(_a_metric_whose_error_is_caught_on_one_rank, num_processes=2, stall_s=2.0,
+                                timeout_s=60)
+    assert (found.kind, found.ranks) == ("collective-mismatch", [0]), found.text()
+    assert (f"Rank 0 has returned early from the call at {HERE}:{_line('evaluate')} that rank 1 is still in, "
+            f"at {HERE}:{_line('metric reduce')} (their all_reduce): the 'except ValueError:' at "
+            f"{HERE}:{_line('swallowing except')} swallows what it catches") in found.summary, found.summary
+    assert "come round" not in found.summary
+    assert found.fix.startswith("Keep collectives out of a try whose except swallows errors"), found.fix
+    leftovers.check()
+
+
+class _Metrics:
+    def __init__(self):
+        import threading
+
+        self._lock = threading.Lock()
+        self.records = []
+
+    def log(self, record):
+        with self._lock:  # line: lock taken
+            self.records.append(record)
+            if len(self.records) >= 2:
+                self.flush()  # line: flush under the lock
+
+    def flush(self):
+        with self._lock:  # line: lock again
+            self.records.clear()
+
+
+def _a_rank_that_takes_its_own_lock_again():
+    import torch
+    import torch.distributed as dist
+
+    metrics = _Metrics()
+    for step in range(3):
+        dist.all_reduce(torch.ones(2))
+        if dist.get_rank() == 0:
+            metrics.log({"step": step})
+
+
+def test_a_rank_that_takes_a_lock_it_holds_is_told_which_caller_holds_it(leftovers):
+    # log() flushes while it holds the lock that flush() takes: rank 0 waits for itself (o5 of a
+    # blind batch was told only that it waits to acquire a lock)
+    found = doctor.run_function(_a_rank_that_takes_its_own_lock_again, num_processes=2, stall_s=2.0,
+                                timeout_s=60)
+    assert (found.kind, found.ranks) == ("rank-missing", [0]), found.text()
+    assert (f"rank 0 is waiting to acquire a lock at {HERE}:{_line('lock again')} (its own thread holds that "
+            f"lock: log took self._lock at {HERE}:{_line('lock taken')} and, holding it, called at "
+            f"{HERE}:{_line('flush under the lock')} what takes it again at {HERE}:{_line('lock again')})"
+            ) in found.summary, found.summary
+    assert found.fix.startswith("A threading.Lock is not reentrant"), found.fix
+    leftovers.check()

@@ -1141,6 +1141,15 @@ def _loop_cures(summary: str) -> list[str]:
     return [wording.LOOP_EXIT_CURE, wording.UNEVEN_LOOP_CURE]
 
 
+def _returned_early_cures(summary: str) -> list[str]:
+    """For a call some ranks returned from early: deciding from a file once, when a file's presence
+    decided it; deciding its condition together, when a return did (an except that swallows errors
+    has its own cure, ``diagnose`` adds it)."""
+    if wording.FILE_TEST in summary:
+        return [wording.FILE_TEST_CURE]
+    return [wording.CONDITION_CURE] if "the return at" in summary else []
+
+
 def _source(history: dict) -> str:
     return next(iter(history.values())).source if history else "python"
 
@@ -1188,6 +1197,8 @@ def _divergence_kind(divergence, positions, histories, views):
     summary = wording.divergence_summary(kind, key, present, culprits, positions)
     if kind == "collective-mismatch" and wording.CACHED in summary:
         return kind, culprits, summary, wording.CACHED_CURE
+    if kind == "collective-mismatch" and wording.RETURNS_EARLY in summary:
+        return kind, culprits, summary, *_returned_early_cures(summary)
     if kind == "collective-mismatch" and (wording.LOOP_RAN_OUT in summary  # a loop ran out first
                                           or wording.LATER_TURN in summary):  # or a turn was skipped
         return kind, culprits, summary, *_loop_cures(summary)
@@ -1468,6 +1479,9 @@ def _odd_ones_out(groups: dict[tuple, list[int]], present: dict[int, Op], histor
     decided_by_few = deciding and len(deciding) < len(everyone) and len(deciding) * 2 <= len(everyone)
     if decided_by_few or (deciding and len(deciding) < len(everyone) and skipped is None):
         return deciding
+    early = wording.returned_early(present, positions or {})
+    if early is not None:  # those past a call the others are in returned from it before their call
+        return early.returned if len(early.returned) * 2 <= len(everyone) else early.inside
     if skipped is not None:  # the ranks that came round the loop past the others' call skipped it;
         # unless they are the many and no continue, break or return did: then the few are alone in a
         # call under a condition of their own

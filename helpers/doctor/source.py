@@ -638,6 +638,35 @@ def goes_first_block(filename: str | None, line: int | None) -> int | None:
     return max((node.lineno for node in blocks), default=None)
 
 
+def lock_taken_at(filename: str | None, line: int | None) -> str | None:
+    """The lock a line takes: 'self._lock' of 'with self._lock:' or 'self._lock.acquire()'; None
+    when the line takes none (or cannot be read)."""
+    parsed = _tree(filename)
+    if parsed is None or line is None:
+        return None
+    for node in ast.walk(parsed[0]):
+        if getattr(node, "lineno", None) != line:
+            continue
+        if isinstance(node, (ast.With, ast.AsyncWith)):
+            return _text(node.items[0].context_expr)
+        if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) \
+                and node.func.attr == "acquire":
+            return _text(node.func.value)
+    return None
+
+
+def holding(filename: str | None, line: int | None, lock: str) -> int | None:
+    """The header line of the innermost ``with <lock>:`` block (the same text) whose body holds
+    ``line``: a frame there holds that lock. None when there is none."""
+    parsed = _tree(filename)
+    if parsed is None or line is None:
+        return None
+    blocks = [node.lineno for node in ast.walk(parsed[0]) if isinstance(node, (ast.With, ast.AsyncWith))
+              and node.body and node.body[0].lineno <= line <= (node.end_lineno or 0)
+              and any(_text(item.context_expr) == lock for item in node.items)]
+    return max(blocks, default=None)
+
+
 def source_line(frame: dict[str, Any]) -> str:
     """The text of a stack frame's line in the user's file ('' when unreadable)."""
     parsed = _tree(frame.get("file"))

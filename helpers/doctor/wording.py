@@ -20,7 +20,9 @@ from helpers.doctor.source import (
     enclosing_function,
     enclosing_loop,
     exits_with_block,
+    holding,
     in_loop_body,
+    lock_taken_at,
     loop_exits,
     loop_left,
     loop_returned_from,
@@ -76,6 +78,8 @@ _WORKER_LOOPS = {DATALOADER_WAIT: "/torch/utils/data/_utils/worker.py", POOL_WAI
                  FUTURE_WAIT: "/concurrent/futures/process.py"}
 FILE_LOCK_WAIT = "waiting for a file lock"  # a dataset or model cache's, most often (on shared storage)
 STDIN_WAIT = "waiting for input on stdin"  # a rank's line calls input()
+LOCK_WAIT = "waiting to acquire a lock"
+SELF_DEADLOCK = "its own thread holds that lock"  # a caller in the same stack took it
 MULTIPROCESSING_FILES = "/multiprocessing/"  # a Queue's get, a Pipe's recv, a Process's join
 MULTIPROCESSING_WAIT = "waiting on another process (multiprocessing)"
 NONE_ALIVE = "none of its child processes is alive"
@@ -100,6 +104,11 @@ DATALOADER_CURE = (
 # (torch/utils/data/dataloader.py) and the caching allocator (CUDACachingAllocator.cpp).
 _PICKLING = re.compile(r"[Cc]an't pickle|cannot pickle")  # pickle's AttributeError, TypeError, PicklingError
 KNOWN_ERRORS = [
+    (re.compile(re.escape(SELF_DEADLOCK)),
+     "A threading.Lock is not reentrant: a thread that takes it again while holding it waits for itself "
+     "forever, and the other ranks wait in their next collective. Use threading.RLock, or split the "
+     "function the caller reaches into one that takes the lock and one that runs while it is held "
+     "(flush() and _flush_locked()), and call the second under the lock."),
     (re.compile(r"Expected to mark a variable ready only once"),
      "DDP marked a parameter's gradient ready twice in one step on that rank: most often its previous "
      "forward had no backward (a step skipped after the forward, as a continue on a NaN loss does, with "
@@ -487,6 +496,8 @@ def activity(rank: int, frame: dict[str, Any], stack: list[dict[str, Any]], sile
         if waits.startswith(CHILD_WAIT):
             busy = "; ".join(f"{child['cmd']}, pid {child['pid']}" for child in workers or []
                              if child.get("cmd"))
+        if waits == LOCK_WAIT:
+            busy = _held_by_its_caller(frame, stack)
         return f"{waits} at {frame['where']}" + (f" ({busy})" if busy else "")
     innermost = stack[-1] if stack else frame
     sleeping = innermost.get("func") == "sleep" or "time.sleep" in source_line(frame)
@@ -532,16 +543,33 @@ _WAITS = (
     ("/torch/cuda/__init__.py", {"synchronize"}, "waiting for the GPU (torch.cuda.synchronize)"),
 )
 _WAITING_LINES = ((re.compile(r"\b(flock|lockf)\("), FILE_LOCK_WAIT),
-                  (re.compile(r"\.acquire\("), "waiting to acquire a lock"),
+                  (re.compile(r"\.acquire\("), LOCK_WAIT),
                   # 'with self.lock:', 'with state_mutex:': a with statement stays on its line while
                   # its __enter__ runs (a threading lock's is C: no frame below)
                   (re.compile(r"^\s*(async\s+)?with\s+[\w.]*(lock|mutex)\w*\s*:", re.IGNORECASE),
-                   "waiting to acquire a lock"),
+                   LOCK_WAIT),
                   (re.compile(r"\.(recv|recv_into|recvfrom|recvmsg|accept)\("), f"{NETWORK_WAIT} (a socket)"),
                   # 'store.get(key)', '_get_default_store().wait([key])', 'self.kv_store.get(...)'
                   (re.compile(r"store\w*(\(\))?\.(get|wait)\(", re.IGNORECASE), STORE_WAIT),
                   (re.compile(r"(^|[^\w.])input\("), STDIN_WAIT),
                   (CHILD_PIPE_LINE, CHILD_PIPE_WAIT))
+
+
+def _held_by_its_caller(frame: dict[str, Any], stack: list[dict[str, Any]]) -> str:
+    """'its own thread holds that lock: log took it at metrics.py:31 and called, inside, what takes it
+    again' when a caller of ``frame`` in the same stack is inside a ``with`` block on the same lock
+    (the same text: 'self._lock'); '' otherwise."""
+    lock = lock_taken_at(frame.get("file"), frame.get("line"))
+    index = next((i for i, f in enumerate(stack) if f is frame), None)
+    if lock is None or not index:
+        return ""
+    for caller in reversed(stack[:index]):
+        header = holding(caller.get("file"), caller.get("line"), lock) if caller.get("user") else None
+        if header is not None:
+            taken = f"{Path(caller['file']).name}:{header}"
+            return (f"{SELF_DEADLOCK}: {caller.get('func')} took {lock} at {taken} and, holding it, called "
+                    f"at {caller['where']} what takes it again at {frame['where']}")
+    return ""
 
 
 def waiting_for(frame: dict[str, Any], stack: list[dict[str, Any]]) -> str | None:
@@ -852,6 +880,9 @@ def _different_path(present: dict[int, Op], culprits: list[int], positions: dict
     cached = _cached_text(culprits, present, positions)
     if cached:  # its cache missed on that rank alone: any loop it is in is not the story
         return f" {ranks_text(culprits)} took a different path from {_others_text(others)}.{cached}"
+    early = returned_early(present, positions)
+    if early is not None:  # a return or a swallowed error in a call, before the others' collective
+        return returned_early_text(early, present)
     left = _loop_left_text(present, culprits, positions)
     if left:
         return left
@@ -1036,6 +1067,129 @@ def _one_turn_apart(file: str, first: int, call_line: int) -> bool:
 def _turn_skipped_on_stacks(sites: dict[int, tuple[str, int] | None], positions: dict[int, Position]
                             ) -> TurnSkipped | None:
     """``turn_skipped`` where the two sides' stacks part, one stack on each side."""
+    stacks = _two_stacks(sites, positions)
+    if stacks is None:
+        return None
+    (one, one_ranks), (other, other_ranks) = stacks
+    depth = _parting(one, other)
+    if depth is None:
+        return None
+    (first, early, above), (call, late, below) = sorted([(one[depth], one_ranks, one),
+                                                         (other[depth], other_ranks, other)])
+    called = above[depth + 1] if len(above) > depth + 1 else None
+    if exits_with_block(first[0], first[1], called, call[1]):  # the earlier line is a with whose
+        (first, early), (call, late, below) = (call, late), (first, early, above)  # __exit__ runs last
+    if not _one_turn_apart(first[0], first[1], call[1]):
+        return None
+    return TurnSkipped(sorted(early), sorted(late), first[0], enclosing_loop(*call) or 0, first[1], call[1],
+                       list(below[depth + 1:]))
+
+
+class ReturnedEarly(NamedTuple):
+    """One side returned from a call the other side is still in (``returned_early``)."""
+
+    returned: list[int]  # the ranks past the call, in a later collective
+    inside: list[int]  # the ranks still in it
+    call: tuple[str, int]  # the call's file and line, in the function both sides' stacks share
+    skips: list[str]  # what leaves it before the inside ranks' line: a return, an except that swallows
+    tests: list[str]  # those returns' tests
+
+
+def returned_early(present: dict[int, Op], positions: dict[int, Position]) -> ReturnedEarly | None:
+    """The two sides when their stacks part at two lines of one function, one side still inside the
+    call at the earlier line and the other past it, and that call's function (or one it calls, on the
+    way to the inside side's collective) can leave before it: a return above the line, or an except
+    around it that swallows errors ('if not os.path.isfile(path): return 0' on the ranks of a node
+    without the file). None otherwise; and when the call runs a loop a break or return can leave (a
+    loop that ran out first), or the two lines share a loop whose turn can skip the later one (the
+    earlier side may have come round again: ``turn_skipped``)."""
+    stacks = _two_stacks(call_sites(present, positions), positions)
+    if stacks is None or (depth := _parting(stacks[0][0], stacks[1][0])) is None:
+        return None
+    (behind, inside), (ahead, returned) = sorted(stacks, key=lambda stack: stack[0][depth][1])
+    (file, line), later = behind[depth], ahead[depth][1]
+    if len(behind) <= depth + 1 or later <= line or _turn_can_skip(file, line, later):
+        return None
+    frames = behind[depth + 1:]
+    if any(_leaves_its_loop(*frame) for frame in frames):
+        return None
+    skips, tests = _early_exits(frames)
+    if not skips:
+        return None
+    return ReturnedEarly(sorted(returned), sorted(inside), (file, line), skips, tests)
+
+
+def _early_exits(frames: Sequence[tuple[str, int]]) -> tuple[list[str], list[str]]:
+    """What can leave each frame's function before its line (``returned_early``): the returns above
+    it and an except around it that swallows errors, as clauses; and those returns' tests."""
+    skips: list[str] = []
+    tests: list[str] = []
+    for file, line in frames:
+        name = Path(file).name
+        for at, test in returns_before(file, line):
+            where = "on the ranks where its condition holds" if test else "on every rank that gets there"
+            skips.append(f"the return at {name}:{at}{_exit_condition(test)} leaves before {name}:{line} "
+                         f"{where}")
+            tests.append(test)
+        caught = swallowing_handler(file, line)
+        if caught is not None:
+            skips.append(f"the '{caught[1]}' at {name}:{caught[0]} {SWALLOWED}, so an error raised in "
+                         f"its try before {name}:{line} leaves it on the ranks that raised it")
+    return skips, tests
+
+
+def _turn_can_skip(file: str, line: int, later: int) -> bool:
+    """Do two lines share a loop whose turn can skip the later one after the earlier one (a
+    continue, break or return between them, or a condition around it, inside the loop)?"""
+    header = enclosing_loop(file, later)
+    if header is None or not share_a_loop(file, line, later):
+        return False
+    guard = enclosing_condition(file, later)
+    return bool(loop_exits_text(file, header, later, after=line)) or (guard is not None and guard[0] > header)
+
+
+def _leaves_its_loop(file: str, line: int) -> bool:
+    """Is ``line`` in a loop of its function that a break or return can leave?"""
+    header = loop_returned_from(file, line)
+    return header is not None and any(keyword in ("break", "return")
+                                      for keyword, _at, _test in loop_exits(file, header, line))
+
+
+# a test that reads the filesystem: each node reads its own (a relative path: each agent's working folder)
+_FILE_TEST = re.compile(r"\b(os\.path\.(exists|isfile|isdir|getsize)|glob(\.glob)?)\(|"
+                        r"\.(exists|is_file|is_dir)\(\)")
+RETURNS_EARLY = "returned early from the call at"  # in a summary: ``returned_early``
+FILE_TEST = "reads this node's own filesystem"  # in a summary: a skip decided by a file's presence
+FILE_TEST_CURE = (
+    "Decide from a file once, on one rank, and send the answer to every rank: found = "
+    "[os.path.isfile(path)] on rank 0, [None] elsewhere; dist.broadcast_object_list(found, src=0) "
+    "(accelerate: accelerate.utils.broadcast_object_list); or keep the file on storage every node "
+    "mounts, at a path that is the same on every node (not relative to each agent's working folder).")
+
+
+def returned_early_text(early: ReturnedEarly, present: dict[int, Op]) -> str:
+    """' Ranks 2 and 3 have returned early from the call at train.py:72 that ranks 0 and 1 are still
+    in, at train.py:48 (their broadcast): the return at train.py:43 (if not os.path.isfile(path))
+    leaves before train.py:48 on the ranks where its condition holds.' (``returned_early``), with a
+    word on a test of the filesystem."""
+    several, waited = len(early.returned) > 1, present[early.inside[0]]
+    stay = "is" if len(early.inside) == 1 else "are"
+    at = f", at {waited.where} (their {_op_name(waited)})" if waited.where else ""
+    text = (f" {ranks_text(early.returned)} {'have' if several else 'has'} {RETURNS_EARLY} "
+            f"{Path(early.call[0]).name}:{early.call[1]} that {ranks_text(early.inside).lower()} {stay} "
+            f"still in{at}: {'; '.join(early.skips[:3])}.")
+    if any(_FILE_TEST.search(test) for test in early.tests):
+        text += (f" A test of a file's presence {FILE_TEST}, and a relative path each agent's own working "
+                 "folder: a file one node wrote is missing on the others unless it is on storage they "
+                 "all mount.")
+    return text
+
+
+def _two_stacks(sites: dict[int, tuple[str, int] | None], positions: dict[int, Position]
+                ) -> list[tuple[tuple[tuple[str, int], ...], list[int]]] | None:
+    """The ranks' user frames (outermost first) when they make two stacks, each ending at its ranks'
+    call site, with the ranks of each; a rank without a stack joins the one stack at its site. None
+    otherwise."""
     stacks: dict[tuple, list[int]] = {}
     unread = []  # ranks without a stack: with those of the ranks at the same line, if one stack
     for rank in sites:
@@ -1051,21 +1205,7 @@ def _turn_skipped_on_stacks(sites: dict[int, tuple[str, int] | None], positions:
         if len(alike) != 1:
             return None
         stacks[alike[0]].append(rank)
-    if len(stacks) != 2:
-        return None
-    (one, one_ranks), (other, other_ranks) = stacks.items()
-    depth = _parting(one, other)
-    if depth is None:
-        return None
-    (first, early, above), (call, late, below) = sorted([(one[depth], one_ranks, one),
-                                                         (other[depth], other_ranks, other)])
-    called = above[depth + 1] if len(above) > depth + 1 else None
-    if exits_with_block(first[0], first[1], called, call[1]):  # the earlier line is a with whose
-        (first, early), (call, late, below) = (call, late), (first, early, above)  # __exit__ runs last
-    if not _one_turn_apart(first[0], first[1], call[1]):
-        return None
-    return TurnSkipped(sorted(early), sorted(late), first[0], enclosing_loop(*call) or 0, first[1], call[1],
-                       list(below[depth + 1:]))
+    return list(stacks.items()) if len(stacks) == 2 else None
 
 
 def _parting(one: Sequence[tuple[str, int]], other: Sequence[tuple[str, int]]) -> int | None:
