@@ -4419,3 +4419,43 @@ def test_a_rank_that_takes_a_lock_it_holds_is_told_which_caller_holds_it(leftove
             ) in found.summary, found.summary
     assert found.fix.startswith("A threading.Lock is not reentrant"), found.fix
     leftovers.check()
+
+
+def _padded(length):
+    import torch
+
+    out = torch.zeros(4)
+    out[:length] = torch.ones(length)  # line: thread raises
+    return out
+
+
+def _prefetch(items, lengths):
+    for length in lengths:
+        items.put(_padded(length))
+    items.put(None)
+
+
+def _a_rank_whose_prefetching_thread_died():
+    import queue
+    import threading
+
+    import torch.distributed as dist
+
+    lengths = [2, 3, 6] if dist.get_rank() == 1 else [2, 3, 4]  # rank 1's last is longer than the pad
+    items = queue.Queue()
+    threading.Thread(target=_prefetch, args=(items, lengths), name="prefetch", daemon=True).start()
+    while (batch := items.get()) is not None:  # line: prefetched get
+        dist.all_reduce(batch)
+
+
+def test_a_rank_waiting_on_a_queue_whose_thread_died_is_told_the_threads_error(leftovers):
+    # the thread that fills the queue raised: rank 1 waits on it for good (o8 of a blind batch was
+    # told only that it waits on a queue)
+    found = doctor.run_function(_a_rank_whose_prefetching_thread_died, num_processes=2, stall_s=2.0,
+                                timeout_s=60)
+    assert (found.kind, found.ranks) == ("rank-missing", [1]), found.text()
+    assert (f"rank 1 is waiting on a queue at {HERE}:{_line('prefetched get')} (its thread 'prefetch' ended "
+            "with RuntimeError: ") in found.summary, found.summary
+    assert f"at {HERE}:{_line('thread raises')} in _padded)" in found.summary, found.summary
+    assert found.fix.startswith("A thread of the rank's own ended with an error"), found.fix
+    leftovers.check()

@@ -851,3 +851,14 @@ def test_without_ptrace_rights_a_silent_rank_keeps_its_heartbeat_position(tmp_pa
     finally:
         sleeper.kill()
         sleeper.wait()
+
+
+def test_a_ranks_answer_carries_the_errors_that_ended_its_threads_to_the_leaders_view():
+    # a rank waiting on a queue whose thread died is told that thread's error in a job too (o8 of a
+    # blind batch): the leader's view keeps it from the rank's answer
+    error = {"thread": "prefetch-e0", "error": "RuntimeError: too long", "where": "train.py:27",
+             "func": "collate"}
+    frame = {"file": "/x/train.py", "line": 65, "where": "train.py:65", "func": "main", "user": True}
+    answer = {"stack": [frame], "thread_errors": [error]}
+    view = leader.view_from(3, {"recs": []}, answer)
+    assert view.state["thread_errors"] == [error]

@@ -797,7 +797,8 @@ def _current(view: RankView) -> Position:
     frame = _own_frame(stack) or frame  # the user's own line: a package's is named by its activity
     if frame:
         pos.where, pos.file, pos.line = frame["where"], frame["file"], frame["line"]
-        pos.detail = wording.activity(view.rank, frame, stack, view.silent, view.workers)
+        pos.detail = wording.activity(view.rank, frame, stack, view.silent, view.workers,
+                                      (view.state or {}).get("thread_errors"))
     elif view.unheard:
         pos.detail = wording.UNHEARD
     return pos

@@ -213,7 +213,7 @@ def view_from(rank: int, source: dict[str, Any], state: dict[str, Any]) -> RankV
             continue
     if source.get("progress"):
         view.apply({"ev": "pg", "pg": source["progress"], "t": time.time()})
-    view.state = {key: state.get(key) for key in ("stack", "progress", "fr")}
+    view.state = {key: state.get(key) for key in ("stack", "progress", "fr", "thread_errors")}
     view.workers = state.get("workers") or []
     end = source.get("exit")
     if end:

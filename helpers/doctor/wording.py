@@ -79,6 +79,10 @@ _WORKER_LOOPS = {DATALOADER_WAIT: "/torch/utils/data/_utils/worker.py", POOL_WAI
 FILE_LOCK_WAIT = "waiting for a file lock"  # a dataset or model cache's, most often (on shared storage)
 STDIN_WAIT = "waiting for input on stdin"  # a rank's line calls input()
 LOCK_WAIT = "waiting to acquire a lock"
+QUEUE_WAIT = "waiting on a queue"
+THREADING_WAIT = "waiting on a threading Event, Condition or Barrier"
+_THREAD_WAITS = (QUEUE_WAIT, THREADING_WAIT)  # what a thread of the rank's own would have filled or set
+THREAD_ENDED = "its thread"  # in a summary: a thread of the rank's own that an error ended
 SELF_DEADLOCK = "its own thread holds that lock"  # a caller in the same stack took it
 MULTIPROCESSING_FILES = "/multiprocessing/"  # a Queue's get, a Pipe's recv, a Process's join
 MULTIPROCESSING_WAIT = "waiting on another process (multiprocessing)"
@@ -104,6 +108,12 @@ DATALOADER_CURE = (
 # (torch/utils/data/dataloader.py) and the caching allocator (CUDACachingAllocator.cpp).
 _PICKLING = re.compile(r"[Cc]an't pickle|cannot pickle")  # pickle's AttributeError, TypeError, PicklingError
 KNOWN_ERRORS = [
+    (re.compile(re.escape(THREAD_ENDED) + " '[^']*' ended with"),
+     "A thread of the rank's own ended with an error (its traceback is in the rank's log) and the "
+     "main thread waits for what it would have delivered, while the other ranks wait in their next "
+     "collective. Catch errors in the thread and hand them over: put the exception in the queue and "
+     "raise it where it is taken out; or take with a timeout (queue.get(timeout=S)) and check that the "
+     "thread is alive."),
     (re.compile(re.escape(SELF_DEADLOCK)),
      "A threading.Lock is not reentrant: a thread that takes it again while holding it waits for itself "
      "forever, and the other ranks wait in their next collective. Use threading.RLock, or split the "
@@ -479,13 +489,16 @@ def issued_by(stack: list[dict[str, Any]]) -> str:
 
 
 def activity(rank: int, frame: dict[str, Any], stack: list[dict[str, Any]], silent: bool = False,
-             workers: list[dict[str, Any]] | None = None) -> str:
+             workers: list[dict[str, Any]] | None = None, thread_errors: list[dict[str, Any]] | None = None
+             ) -> str:
     """What a rank outside any collective is doing: 'in a loop at train.py:41', 'sleeping at ...',
     'waiting for a child process at ...' (``waiting_for``); ``silent``: its Python could not answer,
     so the call at its line holds the GIL in native code; ``workers``: its DataLoader workers'
     stacks, where a busy one is (``workers_text``), or the commands of the child processes it waits
     for ('waiting for a child process at train.py:9 (git lfs pull, pid 4242)'):
-    ``pyspy.children_waited_for``."""
+    ``pyspy.children_waited_for``; ``thread_errors``: the errors that ended threads of its own, the
+    last one said when the rank waits on a queue or a threading primitive (a thread that would have
+    filled it or set it)."""
     if silent:
         return f"in native code holding the GIL at {frame['where']}"
     waits = waiting_for(frame, stack)
@@ -498,6 +511,8 @@ def activity(rank: int, frame: dict[str, Any], stack: list[dict[str, Any]], sile
                              if child.get("cmd"))
         if waits == LOCK_WAIT:
             busy = _held_by_its_caller(frame, stack)
+        if waits in _THREAD_WAITS and thread_errors:
+            busy = _thread_ended(thread_errors[-1])
         return f"{waits} at {frame['where']}" + (f" ({busy})" if busy else "")
     innermost = stack[-1] if stack else frame
     sleeping = innermost.get("func") == "sleep" or "time.sleep" in source_line(frame)
@@ -532,9 +547,9 @@ _WAITS = (
                                                 "split_group"}, NEW_GROUP_WAIT),
     ("/concurrent/futures/", None, FUTURE_WAIT),
     ("/multiprocessing/pool.py", None, POOL_WAIT),
-    ("/queue.py", None, "waiting on a queue"),  # a queue waits on a threading Condition
+    ("/queue.py", None, QUEUE_WAIT),  # a queue waits on a threading Condition
     ("/threading.py", {"join", "_wait_for_tstate_lock"}, "waiting for a thread to end"),
-    ("/threading.py", None, "waiting on a threading Event, Condition or Barrier"),
+    ("/threading.py", None, THREADING_WAIT),
     (MULTIPROCESSING_FILES, None, MULTIPROCESSING_WAIT),
     ("/socket.py", None, NETWORK_WAIT),
     ("/ssl.py", None, NETWORK_WAIT),
@@ -553,6 +568,12 @@ _WAITING_LINES = ((re.compile(r"\b(flock|lockf)\("), FILE_LOCK_WAIT),
                   (re.compile(r"store\w*(\(\))?\.(get|wait)\(", re.IGNORECASE), STORE_WAIT),
                   (re.compile(r"(^|[^\w.])input\("), STDIN_WAIT),
                   (CHILD_PIPE_LINE, CHILD_PIPE_WAIT))
+
+
+def _thread_ended(error: dict[str, Any]) -> str:
+    """"its thread 'prefetch' ended with RuntimeError: ... at data.py:27 in collate"."""
+    where = f" at {error['where']} in {error.get('func')}" if error.get("where") else ""
+    return f"{THREAD_ENDED} '{error.get('thread')}' ended with {str(error.get('error'))[:300]}{where}"
 
 
 def _held_by_its_caller(frame: dict[str, Any], stack: list[dict[str, Any]]) -> str:

@@ -60,6 +60,7 @@ from helpers.trace.helper import (
     flight_recorder,
     flight_recorder_tail,
     group_progress,
+    note_thread_errors,
     rank_state,
     save_state,
     settle,
@@ -102,6 +103,7 @@ def install(run_dir: str | Path | None, rank: int) -> Tracer:
     tracer.helper.start()
     _tracing.current = tracer
     _flush_before_exit()
+    note_thread_errors()
     return tracer
 
 

@@ -23,7 +23,7 @@ from pathlib import Path
 from typing import Any
 
 from helpers import report, rundir
-from helpers.trace.callsites import describe_stack
+from helpers.trace.callsites import describe_stack, error_text, traceback_site
 from helpers.trace.tracer import FLUSH_S, PLAIN_GROUP_DESCS
 
 POLL_S = 0.2  # how often the helper thread notes the process groups' progress
@@ -192,12 +192,38 @@ def dump_stacks(tracer: Any) -> None:
 
 
 def rank_state(rank: int, request: str) -> dict[str, Any]:
-    """This rank's state: the main thread's stack, the Flight Recorder tail, group progress."""
+    """This rank's state: the main thread's stack, the Flight Recorder tail, group progress, and the
+    errors that ended threads of its own (``note_thread_errors``)."""
     main = threading.main_thread()
     frame = sys._current_frames().get(main.ident) if main.ident is not None else None
-    return {"request": request, "rank": rank, "t": time.time(),
-            "stack": describe_stack(frame) if frame is not None else [],
-            "progress": group_progress(), "fr": flight_recorder_tail()}
+    state = {"request": request, "rank": rank, "t": time.time(),
+             "stack": describe_stack(frame) if frame is not None else [],
+             "progress": group_progress(), "fr": flight_recorder_tail()}
+    if _thread_errors:
+        state["thread_errors"] = list(_thread_errors)
+    return state
+
+
+THREAD_ERRORS_KEPT = 4
+_thread_errors: list[dict[str, Any]] = []  # the last errors that ended a thread: its name, error and line
+
+
+def note_thread_errors() -> None:
+    """Keep the error that ends a thread of this process (``threading.excepthook``: a prefetching
+    thread that raised leaves the main thread waiting on its queue forever) for ``rank_state``; the
+    hook before it still runs (Python's prints the traceback)."""
+    previous = threading.excepthook
+
+    def noted(args: Any) -> None:
+        if args.exc_value is not None and not isinstance(args.exc_value, SystemExit):
+            site = traceback_site(args.exc_traceback) or {}
+            _thread_errors.append({"thread": args.thread.name if args.thread is not None else "?",
+                                   "error": error_text(args.exc_value), "t": time.time(),
+                                   **{key: site.get(key) for key in ("file", "line", "where", "func")}})
+            del _thread_errors[:-THREAD_ERRORS_KEPT]
+        previous(args)
+
+    threading.excepthook = noted
 
 
 def write_state(tracer: Any, request: str, extra: dict[str, Any] | None = None) -> None:
