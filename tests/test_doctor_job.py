@@ -646,6 +646,21 @@ def test_a_rank_gloo_aborts_on_a_size_mismatch_is_named_with_its_size(script, tm
     leftovers.check()
 
 
+def test_calls_that_differ_along_the_nodes_are_said_to_with_the_cure_to_compare_them(script, tmp_path,
+                                                                                      leftovers):
+    # p8 of a blind batch: each node read a width from a file of its own (its working folder), and the
+    # all_reduce's sizes differed between the nodes, alike within each
+    for node, width in ((0, 8), (1, 12)):
+        (tmp_path / f"node{node}").mkdir()
+        (tmp_path / f"node{node}" / "config.json").write_text(json.dumps({"width": width}))
+    data = _json(_run(script, tmp_path, "node-config"))
+    assert data["kind"] == "shape-mismatch", data
+    assert ("The calls split along the nodes: the ranks of each node issued the same call, and the nodes did "
+            "not (node 0: ranks 0 and 1; node 1: ranks 2 and 3).") in data["summary"], data["summary"]
+    assert "-m helpers.audit --fleet" in data["fix"], data["fix"]
+    leftovers.check()
+
+
 def test_a_dict_key_of_one_ranks_own_is_named_on_another_node_though_gloo_aborted_that_rank(script, tmp_path,
                                                                                               leftovers):
     # uD s2: rank 3's third all_reduce from accelerate's reduce meets the others' DDP all-reduce, and

@@ -199,6 +199,10 @@ def diagnose(views: dict[int, RankView], num_processes: int, reason: str,
         kind, culprits = "collective-mismatch", sorted({*culprits, *threads})
         summary += wording.threads_text(threads)
         cures = [wording.THREADS_CURE, *cures]
+    nodes = _sides_by_node(positions, views) if kind in ("shape-mismatch", "collective-mismatch") else None
+    if nodes:  # each node's ranks alike, the nodes not: something each node read for itself
+        summary += wording.by_node_text(nodes)
+        cures = [*cures, wording.BY_NODE_CURE]
     verdict = _verdict(kind, reason, positions)
     if verdict == "ok":
         detected_after_s = None
@@ -279,6 +283,23 @@ def _note_highest(highest: dict[tuple[int, str], tuple[int, float]], key: tuple[
     """Keep in ``highest`` the (seq, end) of the highest-numbered of the ops noted under ``key``."""
     if op.seq > highest.get(key, (0, 0.0))[0]:
         highest[key] = (op.seq, op.end)
+
+
+def _sides_by_node(positions: dict[int, Position], views: dict[int, RankView]) -> dict[int, list[int]] | None:
+    """Each node's ranks (a job's, ``RankView.node``) when the ranks' calls differ along the nodes
+    alone: every node's ranks issued one call (op, shapes, dtypes, root), and the nodes did not all
+    issue the same; None otherwise, and where no node runs more than one rank (any split is by node)."""
+    nodes: dict[int, list[int]] = {}
+    for rank, pos in positions.items():
+        node = views[rank].node if rank in views else None
+        if node is None or pos.op is None:
+            return None
+        nodes.setdefault(node, []).append(rank)
+    calls = {node: {positions[rank].op.signature() for rank in ranks} for node, ranks in nodes.items()}
+    if len(nodes) < 2 or max(len(ranks) for ranks in nodes.values()) < 2 or \
+            any(len(signatures) > 1 for signatures in calls.values()):
+        return None
+    return nodes if len({signatures.pop() for signatures in calls.values()}) > 1 else None
 
 
 def _verdict(kind: str, reason: str, positions: dict[int, Position]) -> str:

@@ -91,6 +91,7 @@ class JobEnv:
     run_id: str
     restart: str
     max_restarts: int = 0  # torchrun's --max-restarts: the attempts after the first it may start
+    node: int | None = None  # its node's rank in the job (GROUP_RANK: torchrun's --node-rank)
 
     @classmethod
     def from_environ(cls, env: dict[str, str] | os._Environ) -> JobEnv | None:
@@ -99,9 +100,10 @@ class JobEnv:
         if not all(env.get(name) for name in names):
             return None
         restarts = env.get("TORCHELASTIC_MAX_RESTARTS", "0")
+        node = env.get("GROUP_RANK", "")
         return cls(int(env["RANK"]), int(env["WORLD_SIZE"]), env["MASTER_ADDR"], int(env["MASTER_PORT"]),
                    env.get("TORCHELASTIC_RUN_ID", "job"), env.get("TORCHELASTIC_RESTART_COUNT", "0"),
-                   int(restarts) if restarts.isdigit() else 0)
+                   int(restarts) if restarts.isdigit() else 0, int(node) if node.isdigit() else None)
 
 
 def attempt_path(json_path: str | Path, restart: str) -> Path:
@@ -544,7 +546,7 @@ class Watchdog(threading.Thread):
         opened = [r for r in self.records
                   if r.get("ev") == "op" and r.get("id") in open_ids and r not in recent]
         return {"n": self.beats, "rank": self.job.rank, "host": self.host, "machine": self.machine,
-                "pid": os.getpid(), "born": self.born,
+                "node": self.job.node, "pid": os.getpid(), "born": self.born,
                 "wait": None if since is None else round(now - since, 3),
                 "idle": None if done is None else round(now - done, 3),
                 "pending": self.view.pending_seq(), "last": self.view.last_seq(),
@@ -574,7 +576,7 @@ class Watchdog(threading.Thread):
         self._read_own_records(wait_s=FLUSH_WAIT_S)
         state = trace.rank_state(self.job.rank, request)
         state.update(recs=list(self.records), exit=self.exit, host=self.host, machine=self.machine,
-                     pid=os.getpid(), born=self.born)
+                     node=self.job.node, pid=os.getpid(), born=self.born)
         if request != "final":  # where its DataLoader's workers are, when it waits for them
             mine = {self.job.rank: (os.getpid(), state["stack"])}
             state["workers"] = pyspy.children_waited_for(mine).get(self.job.rank, [])

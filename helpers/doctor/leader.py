@@ -215,6 +215,7 @@ def view_from(rank: int, source: dict[str, Any], state: dict[str, Any]) -> RankV
         view.apply({"ev": "pg", "pg": source["progress"], "t": time.time()})
     view.state = {key: state.get(key) for key in ("stack", "progress", "fr", "thread_errors")}
     view.workers = state.get("workers") or []
+    view.node = source.get("node") if isinstance(source.get("node"), int) else None
     end = source.get("exit")
     if end:
         view.exit, view.ended, view.exit_code = end, True, end.get("code")

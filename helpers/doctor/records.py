@@ -123,6 +123,7 @@ class RankView:
     posted: int | None = None  # the id of a call known from its start alone, posted before it ran (job)
     unheard: bool = False  # a job's rank that never posted a heartbeat: still starting, or never started
     current: Op | None = None  # the call it died in, its record still queued (``read_current``)
+    node: int | None = None  # its node in a job (GROUP_RANK), where known
 
     def apply(self, event: dict[str, Any]) -> None:
         """Fold one trace record into the view."""

@@ -570,6 +570,29 @@ _WAITING_LINES = ((re.compile(r"\b(flock|lockf)\("), FILE_LOCK_WAIT),
                   (CHILD_PIPE_LINE, CHILD_PIPE_WAIT))
 
 
+BY_NODE = "split along the nodes"  # in a summary: each node's ranks alike, the nodes not
+BY_NODE_CURE = (
+    "Compare the nodes: the environment audit on every node in one report (torchrun ... -m helpers.audit "
+    "--fleet --json fleet.json, notebooks/01_environment_audit.ipynb) shows what differs between them; "
+    "and read the job's configuration once, on rank 0, and send it to every rank "
+    "(dist.broadcast_object_list), rather than on each node from its own files or environment.")
+
+
+def by_node_text(nodes: dict[int, list[int]]) -> str:
+    """' The calls split along the nodes: the ranks of each node issued the same call, and the nodes
+    did not (node 0: ranks 0 and 1; node 1: ranks 2 and 3). ...' (``diagnosis._sides_by_node``)."""
+    said = [f"node {node}: {ranks_text(sorted(ranks)).lower()}" for node, ranks in sorted(nodes.items())]
+    return (f" The calls {BY_NODE}: the ranks of each node issued the same call, and the nodes did not "
+            f"({'; '.join(said)}). What differs was most likely read by each node for itself: a file in "
+            "its working folder or on its own disk, an environment variable, a package version or a "
+            "configuration file that is not the same on every machine.")
+
+
+def _and(items: list[str]) -> str:
+    """'a', 'a and b', 'a, b and c'."""
+    return items[0] if len(items) == 1 else ", ".join(items[:-1]) + f" and {items[-1]}"
+
+
 def _thread_ended(error: dict[str, Any]) -> str:
     """"its thread 'prefetch' ended with RuntimeError: ... at data.py:27 in collate"."""
     where = f" at {error['where']} in {error.get('func')}" if error.get("where") else ""
@@ -651,7 +674,7 @@ def ranks_text(ranks: list[int]) -> str:
     """'Rank 1', 'Ranks 0, 2 and 3'."""
     if len(ranks) == 1:
         return f"Rank {ranks[0]}"
-    return "Ranks " + ", ".join(str(r) for r in ranks[:-1]) + f" and {ranks[-1]}"
+    return "Ranks " + _and([str(r) for r in ranks])
 
 
 def split_summary(key: tuple[str, int], present: dict[int, Op],
@@ -1981,7 +2004,7 @@ def threads_text(threads: dict[int, dict[str, tuple[Op, bool]]]) -> str:
     ordered = sorted(threads[first].values(), key=lambda call: not call[1])  # the main thread first
     calls = [f"{_op_name(op)}{' at ' + op.where if op.where else ''} "
              f"({'the main thread' if main else 'another thread'})" for op, main in ordered]
-    listed = ", ".join(calls[:-1]) + f" and {calls[-1]}"
+    listed = _and(calls)
     others = [rank for rank in threads if rank != first]
     also = f"; so did {ranks_text(others).lower()}" if others else ""
     return (f" Rank {first} issued collectives on {group_text(ordered[0][0], {})} from {len(calls)} "
