@@ -1145,8 +1145,9 @@ def returned_early(present: dict[int, Op], positions: dict[int, Position]) -> Re
     way to the inside side's collective) can leave before it: a return above the line, or an except
     around it that swallows errors ('if not os.path.isfile(path): return 0' on the ranks of a node
     without the file). None otherwise; and when the call runs a loop a break or return can leave (a
-    loop that ran out first), or the two lines share a loop whose turn can skip the later one (the
-    earlier side may have come round again: ``turn_skipped``)."""
+    loop that ran out first), or holds the inside side's line under an ``if`` (which may have skipped
+    it), or the two lines share a loop whose turn can skip the later one (the earlier side may have
+    come round again: ``turn_skipped``)."""
     stacks = _two_stacks(call_sites(present, positions), positions)
     if stacks is None or (depth := _parting(stacks[0][0], stacks[1][0])) is None:
         return None
@@ -1155,7 +1156,7 @@ def returned_early(present: dict[int, Op], positions: dict[int, Position]) -> Re
     if len(behind) <= depth + 1 or later <= line or _turn_can_skip(file, line, later):
         return None
     frames = behind[depth + 1:]
-    if any(_leaves_its_loop(*frame) for frame in frames):
+    if any(_leaves_its_loop(*frame) or _guarded(*frame) for frame in frames):
         return None
     skips, tests = _early_exits(frames)
     if not skips:
@@ -1190,6 +1191,13 @@ def _turn_can_skip(file: str, line: int, later: int) -> bool:
         return False
     guard = enclosing_condition(file, later)
     return bool(loop_exits_text(file, header, later, after=line)) or (guard is not None and guard[0] > header)
+
+
+def _guarded(file: str, line: int) -> bool:
+    """Is ``line`` under an ``if`` of its own function (what may have skipped it, rather than a
+    return or an error)?"""
+    guard = enclosing_condition(file, line)
+    return guard is not None and guard[0] > (enclosing_function(file, line) or 0)
 
 
 def _leaves_its_loop(file: str, line: int) -> bool:
