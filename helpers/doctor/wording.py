@@ -1153,7 +1153,8 @@ def returned_early(present: dict[int, Op], positions: dict[int, Position]) -> Re
         return None
     (behind, inside), (ahead, returned) = sorted(stacks, key=lambda stack: stack[0][depth][1])
     (file, line), later = behind[depth], ahead[depth][1]
-    if len(behind) <= depth + 1 or later <= line or _turn_can_skip(file, line, later):
+    if len(behind) <= depth + 1 or later <= line or _turn_can_skip(file, line, later) \
+            or exits_with_block(file, line, behind[depth + 1], later):  # a with's __exit__ runs last
         return None
     frames = behind[depth + 1:]
     if any(_leaves_its_loop(*frame) or _guarded(*frame) for frame in frames):
