@@ -8,7 +8,7 @@ STAMP := $(VENV)/.installed
 # PyPI's build elsewhere. A torch already in the venv is kept.
 TORCH_PIN ?= torch==2.13.0
 
-.PHONY: report test lab lint bench clean install
+.PHONY: report test lab lint bench clean install bytecode
 
 install: $(STAMP)
 
@@ -19,7 +19,13 @@ $(STAMP): pyproject.toml
 	$(PY) -m pip install --quiet -e ".[test]"
 	touch $(STAMP)
 
-report: $(STAMP)
+# Every rank, launcher and kernel imports helpers: compiled once here, each process loads bytecode
+# (0.6 s less per process, 2.0 s against 2.7 s with torch, where PYTHONDONTWRITEBYTECODE is set and
+# nothing writes it otherwise; only changed files are compiled again).
+bytecode: $(STAMP)
+	$(PY) -m compileall -q helpers tests >/dev/null
+
+report: bytecode
 	$(PY) -m helpers report
 
 # Two pytest workers, a test file each at a time (--dist loadfile: a module's fixtures, such as the
@@ -29,7 +35,7 @@ report: $(STAMP)
 # tested): 17 min, the notebooks 75 to 85 s (and 20 min is the bound for all of make test). Each
 # worker has its own temp folder, and the leftover checks look at their own worker's children,
 # ports and temp folder alone.
-test: $(STAMP)
+test: bytecode
 	$(PY) -m ruff check helpers tests bench
 	$(PY) -m pytest tests -n 2 --dist loadfile
 	$(PY) -m pytest --nbval-lax notebooks -p no:cacheprovider -n 2 --dist loadfile
