@@ -4459,3 +4459,71 @@ def test_a_rank_waiting_on_a_queue_whose_thread_died_is_told_the_threads_error(l
     assert f"at {HERE}:{_line('thread raises')} in _padded)" in found.summary, found.summary
     assert found.fix.startswith("A thread of the rank's own ended with an error"), found.fix
     leftovers.check()
+
+
+def _a_rank_polling_for_a_file_another_node_wrote(folder):
+    import os
+    import time
+
+    import torch
+    import torch.distributed as dist
+
+    rank = dist.get_rank()
+    ready = os.path.join(folder, f"node{rank}", "best.ready")  # each rank's own working folder, as a node's
+    os.makedirs(os.path.dirname(ready), exist_ok=True)
+    dist.all_reduce(torch.ones(2))
+    if rank == 0:
+        open(ready, "w").close()
+    else:
+        while not os.path.exists(ready):  # line: file poll
+            time.sleep(0.05)
+    dist.all_reduce(torch.ones(2))
+
+
+def test_a_rank_polling_for_a_file_written_on_another_node_is_told_why_it_never_appears(tmp_path, leftovers):
+    # q1 of a blind batch: rank 0 wrote a flag into its node's working folder; the other node's ranks
+    # poll for it in theirs, told only that they sleep in a loop
+    found = doctor.run_function(_a_rank_polling_for_a_file_another_node_wrote,
+                                kwargs={"folder": str(tmp_path)}, num_processes=2, stall_s=2.0, timeout_s=60)
+    assert (found.kind, found.ranks) == ("rank-missing", [1]), found.text()
+    assert (f"rank 1 is sleeping at {HERE}:{_line('file poll') + 1} in a loop at {HERE}:{_line('file poll')} "
+            "that waits for a file to appear (while not os.path.exists(ready)).") in found.summary, \
+        found.summary
+    assert found.fix.startswith("A test of a file's presence reads the node's own filesystem"), found.fix
+    leftovers.check()
+
+
+def _gather_keys(keys):
+    import torch
+    import torch.distributed as dist
+
+    gathered = [torch.empty_like(keys) for _ in range(dist.get_world_size())]
+    dist.all_gather(gathered, keys)  # line: gather keys
+    return torch.cat(gathered)
+
+
+def _negatives_from_every_rank_on_a_random_fraction_of_steps():
+    import random
+
+    import torch
+    import torch.distributed as dist
+
+    draws = random.Random(1000 + dist.get_rank())  # seeded per rank: each rank draws its own
+    for _step in range(3):
+        keys = torch.ones(4)
+        use_global = draws.random() < 0.3
+        if use_global:  # line: random branch
+            keys = _gather_keys(keys)
+        dist.all_reduce(keys.sum().reshape(1))
+
+
+def test_a_helpers_collective_called_under_a_random_draw_of_the_ranks_own_names_that_draw(leftovers):
+    # q8 of a blind batch: the all_gather is in a helper, the draw around its caller; the story was
+    # only that the rank took a different path
+    found = doctor.run_function(_negatives_from_every_rank_on_a_random_fraction_of_steps, num_processes=3,
+                                stall_s=2.0, timeout_s=60)
+    assert (found.kind, found.ranks) == ("collective-mismatch", [1]), found.text()
+    assert (f"(its call is under 'if use_global:' at {HERE}:{_line('random branch')}, a condition each rank "
+            "decides for itself)") in found.summary, found.summary
+    assert found.fix.startswith("Decide a condition around a collective alike on every rank"), found.fix
+    leftovers.check()

@@ -78,6 +78,14 @@ _WORKER_LOOPS = {DATALOADER_WAIT: "/torch/utils/data/_utils/worker.py", POOL_WAI
                  FUTURE_WAIT: "/concurrent/futures/process.py"}
 FILE_LOCK_WAIT = "waiting for a file lock"  # a dataset or model cache's, most often (on shared storage)
 STDIN_WAIT = "waiting for input on stdin"  # a rank's line calls input()
+FILE_POLL = "waits for a file to appear"  # in a summary: a loop whose test is a file's presence
+FILE_POLL_CURE = (
+    "A test of a file's presence reads the node's own filesystem (a relative path: each agent's own "
+    "working folder), so a file written on one node never appears on another unless both mount it. "
+    "Do not hand over between ranks through such a file. Send what it "
+    "holds with a collective (dist.broadcast_object_list, or the tensors with dist.broadcast), or "
+    "write it to storage every node mounts, and wait for it in dist.barrier() after the write rather "
+    "than in a polling loop, so that a rank that fails is seen by the others.")
 LOCK_WAIT = "waiting to acquire a lock"
 QUEUE_WAIT = "waiting on a queue"
 THREADING_WAIT = "waiting on a threading Event, Condition or Barrier"
@@ -108,6 +116,7 @@ DATALOADER_CURE = (
 # (torch/utils/data/dataloader.py) and the caching allocator (CUDACachingAllocator.cpp).
 _PICKLING = re.compile(r"[Cc]an't pickle|cannot pickle")  # pickle's AttributeError, TypeError, PicklingError
 KNOWN_ERRORS = [
+    (re.compile(re.escape(FILE_POLL)), FILE_POLL_CURE),
     (re.compile(re.escape(THREAD_ENDED) + " '[^']*' ended with"),
      "A thread of the rank's own ended with an error (its traceback is in the rank's log) and the "
      "main thread waits for what it would have delivered, while the other ranks wait in their next "
@@ -521,7 +530,22 @@ def activity(rank: int, frame: dict[str, Any], stack: list[dict[str, Any]], sile
         return f"{'sleeping' if sleeping else 'running'} in {library}, called at {frame['where']}"
     loop = enclosing_loop(frame.get("file"), frame.get("line"))
     where = f"in a loop at {Path(frame['file']).name}:{loop}" if loop is not None else f"at {frame['where']}"
+    polled = _polled_file(frame, loop)
+    if polled:  # its own line too: the loop's clause is long
+        where = f"at {frame['where']} {where}{polled}"
     return f"sleeping {where}" if sleeping else where
+
+
+def _polled_file(frame: dict[str, Any], loop: int | None) -> str:
+    """' that waits for a file to appear (while not os.path.exists(ready))' for a while loop whose
+    test is a file's presence; '' otherwise."""
+    if loop is None:
+        return ""
+    test = next((test for keyword, _at, test in loop_exits(frame.get("file"), loop, frame.get("line"))
+                 if keyword == "while"), "")
+    if not _FILE_TEST.search(test):
+        return ""
+    return f" that {FILE_POLL} (while {test})"
 
 
 def library_below(frame: dict[str, Any], stack: list[dict[str, Any]]) -> str | None:
@@ -847,9 +871,8 @@ def _deciding_text(culprits: list[int], present: dict[int, Op], form: str,
     user's line that made a call DDP issued, from ``positions``): form ' ' gives a sentence ('The
     calls of ranks 0 and 3 are under ..., a condition each rank decides for itself.'), form '(' a
     parenthesis (' (their calls are under ...)'); '' when there is none."""
-    sites = [_site(op, (positions or {}).get(rank)) for rank in culprits if (op := present.get(rank))]
-    deciding = {(site[0], found) for site in sites if site is not None
-                and (found := decided_per_rank(*site))}
+    deciding = {found for rank in culprits if (op := present.get(rank))
+                and (found := _deciding_site(op, (positions or {}).get(rank)))}
     if len(deciding) != 1:
         return ""
     file, found = deciding.pop()
@@ -858,6 +881,20 @@ def _deciding_text(culprits: list[int], present: dict[int, Op], form: str,
         return f" ({'its call is' if len(culprits) == 1 else 'their calls are'} {under})"
     calls = _calls_of(culprits)
     return f" {calls[0].upper()}{calls[1:]} {'is' if len(culprits) == 1 else 'are'} {under}."
+
+
+def _deciding_site(op: Op, pos: Position | None) -> tuple[str, tuple[int, str, str]] | None:
+    """The file and ``decided_per_rank`` condition around a rank's call, else around the innermost
+    of the user's lines that led to it (a helper that gathers, called under 'if use_global:' where
+    use_global came from random.random()); None when none is."""
+    site = _site(op, pos)
+    frames = ([site] if site is not None else []) + [(file, line) for file, line, _where
+                                                      in reversed(pos.callers if pos is not None else [])]
+    for file, line in frames:
+        found = decided_per_rank(file, line)
+        if found is not None:
+            return file, found
+    return None
 
 
 def divergence_summary(kind: str, key: tuple[str, int], present: dict[int, Op], culprits: list[int],
