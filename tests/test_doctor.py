@@ -4527,3 +4527,35 @@ def test_a_helpers_collective_called_under_a_random_draw_of_the_ranks_own_names_
             "decides for itself)") in found.summary, found.summary
     assert found.fix.startswith("Decide a condition around a collective alike on every rank"), found.fix
     leftovers.check()
+
+
+def _metrics_logged_through_a_handler_that_gathers():
+    import logging
+
+    import torch
+    import torch.distributed as dist
+
+    class GatheringHandler(logging.Handler):
+        def emit(self, record):
+            values = [torch.zeros(1) for _ in range(dist.get_world_size())]
+            dist.all_gather(values, torch.ones(1))  # line: handler gather
+
+    logger = logging.getLogger("metrics-of-the-test")
+    logger.setLevel(logging.INFO if dist.get_rank() == 0 else logging.WARNING)
+    logger.addHandler(GatheringHandler())
+    for step in range(3):
+        dist.all_reduce(torch.ones(2))
+        logger.info("step %d", step)  # line: log step
+
+
+def test_a_collective_in_a_logging_handler_is_named_on_the_ranks_whose_logger_passed_the_record(leftovers):
+    # q5 of a blind batch: the ranks whose logger let the record through gathered in the handler; the
+    # others, whose level was higher, went on. The others were named, told to have come round the loop
+    found = doctor.run_function(_metrics_logged_through_a_handler_that_gathers, num_processes=2,
+                                stall_s=2.0, timeout_s=60)
+    assert (found.kind, found.ranks) == ("collective-mismatch", [0]), found.text()
+    assert (f"The all_gather of rank 0 at {HERE}:{_line('handler gather')} runs in a logging handler, for "
+            f"the record logged at {HERE}:{_line('log step')}: logging called that handler on rank 0 alone"
+            ) in found.summary, found.summary
+    assert found.fix.startswith("Keep collectives out of logging handlers"), found.fix
+    leftovers.check()

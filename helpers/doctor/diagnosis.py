@@ -402,7 +402,24 @@ def position(view: RankView) -> Position:
     user's frames that led there."""
     pos = _position(view)
     pos.callers = _callers(view) or _callers_by_source(pos)
+    if pos.state == "in-collective":
+        pos.logged_at = _logged_at(main_stack(view))
     return pos
+
+
+_LOGGING = "/logging/__init__.py"
+
+
+def _logged_at(stack: list[dict[str, Any]]) -> str:
+    """The user's line that logged the record whose handler runs the rank's call ('train.py:91':
+    its frames go from that line through the logging module's handle/callHandlers to the user's
+    emit); '' when the call does not run in a logging handler."""
+    for index, frame in enumerate(stack):
+        if str(frame.get("file", "")).endswith(_LOGGING) and frame.get("func") == "callHandlers":
+            before = [f for f in stack[:index] if f.get("user")]
+            after = [f for f in stack[index + 1:] if f.get("user")]
+            return str(before[-1].get("where") or "") if before and after else ""
+    return ""
 
 
 def _callers_by_source(pos: Position) -> list[tuple[str, int, str]]:
@@ -1219,6 +1236,8 @@ def _divergence_kind(divergence, positions, histories, views):
     summary = wording.divergence_summary(kind, key, present, culprits, positions)
     if kind == "collective-mismatch" and wording.CACHED in summary:
         return kind, culprits, summary, wording.CACHED_CURE
+    if kind == "collective-mismatch" and wording.IN_A_HANDLER in summary:
+        return kind, culprits, summary, wording.LOGGING_CURE
     if kind == "collective-mismatch" and wording.RETURNS_EARLY in summary:
         return kind, culprits, summary, *_returned_early_cures(summary)
     if kind == "collective-mismatch" and (wording.LOOP_RAN_OUT in summary  # a loop ran out first
@@ -1501,6 +1520,9 @@ def _odd_ones_out(groups: dict[tuple, list[int]], present: dict[int, Op], histor
     decided_by_few = deciding and len(deciding) < len(everyone) and len(deciding) * 2 <= len(everyone)
     if decided_by_few or (deciding and len(deciding) < len(everyone) and skipped is None):
         return deciding
+    logged = [rank for rank in everyone if (positions or {}).get(rank) and positions[rank].logged_at]
+    if logged and len(logged) < len(everyone):  # a logging handler's call: where the record passed
+        return logged
     early = wording.returned_early(present, positions or {})
     if early is not None:  # those past a call the others are in returned from it before their call
         return early.returned if len(early.returned) * 2 <= len(everyone) else early.inside

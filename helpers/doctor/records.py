@@ -363,6 +363,7 @@ class Position:
     timed_out: bool = False  # its wait was ended from outside: torch's timeout, or a signal as it waited
     callers: list[tuple[str, int, str]] = field(default_factory=list)  # the user's frames it was called
     #                                     from, outermost first: (file, line, where)
+    logged_at: str = ""  # its call runs in a logging handler, for a record logged at this user line
 
 
 @dataclass

@@ -961,6 +961,9 @@ def _different_path(present: dict[int, Op], culprits: list[int], positions: dict
     cached = _cached_text(culprits, present, positions)
     if cached:  # its cache missed on that rank alone: any loop it is in is not the story
         return f" {ranks_text(culprits)} took a different path from {_others_text(others)}.{cached}"
+    logged = _logged_text(present, culprits, others, positions)
+    if logged:  # a logging handler's collective: where the record passed the logger's level
+        return logged
     early = returned_early(present, positions)
     if early is not None:  # a return or a swallowed error in a call, before the others' collective
         return returned_early_text(early, present)
@@ -988,6 +991,29 @@ def _different_path(present: dict[int, Op], culprits: list[int], positions: dict
     swallowed = "" if inside else swallowed_text(positions.get(rank) for rank in present)
     return (f" {ranks_text(culprits)} took a different path from {_others_text(others)}{inside}.{swallowed}"
             + ("" if inside else _none_of_their_branches(present, culprits, others)))
+
+
+IN_A_HANDLER = "runs in a logging handler"  # in a summary: a collective in a handler's emit
+LOGGING_CURE = (
+    "Keep collectives out of logging handlers: logging runs a handler only for a record that passes "
+    "the logger's level and filters, and these often differ by rank (accelerate's get_logger logs on "
+    "the main process alone unless told main_process_only=False). Reduce or gather the values in the "
+    "training loop, on every rank, then log the result.")
+
+
+def _logged_text(present: dict[int, Op], culprits: list[int], others: list[int],
+                 positions: dict[int, Position]) -> str:
+    """' The all_gather of ranks 0 and 2 at train.py:28 runs in a logging handler, for the record
+    logged at train.py:91: ...' when the culprits' calls do and the others' do not; '' otherwise."""
+    logged = [positions[rank].logged_at for rank in culprits if rank in positions]
+    if not others or not logged or not all(logged) or any(positions[r].logged_at for r in others
+                                                           if r in positions):
+        return ""
+    op = present[culprits[0]]
+    whose = f"rank {culprits[0]}" if len(culprits) == 1 else ranks_text(culprits).lower()
+    return (f" The {_op_name(op)} of {whose}{_at_where(op)} {IN_A_HANDLER}, for the record logged at "
+            f"{logged[0]}: logging called that handler on {whose} alone, where the record passed the "
+            f"logger's level and filters, and {_others_text(others)} went on without it.")
 
 
 def _none_of_their_branches(present: dict[int, Op], culprits: list[int], others: list[int]) -> str:
