@@ -1496,6 +1496,9 @@ def _odd_ones_out(groups: dict[tuple, list[int]], present: dict[int, Op], histor
     the many and the others came round a loop past their call, ``wording.turn_skipped``: the few
     skipped the call, as 'if not (rank == 1 and bad):' does), then a condition on a per-rank value
     (around the calls of at most half the ranks, when the others came round a loop past them), then
+    the ranks whose call runs in a logging handler (where the record passed the logger's level), then
+    the ranks that returned early from a call the others are still in (``wording.returned_early``;
+    when they are the many, the others), then
     the ranks that came round a loop past the others' call (or, when they are the many and no exit
     of the loop skipped it, the few left in it: 'if step % save_every == 0:' with a save_every of
     its own on one rank), then a strict majority, then history."""
