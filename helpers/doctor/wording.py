@@ -624,9 +624,9 @@ def _thread_ended(error: dict[str, Any]) -> str:
 
 
 def _held_by_its_caller(frame: dict[str, Any], stack: list[dict[str, Any]]) -> str:
-    """'its own thread holds that lock: log took it at metrics.py:31 and called, inside, what takes it
-    again' when a caller of ``frame`` in the same stack is inside a ``with`` block on the same lock
-    (the same text: 'self._lock'); '' otherwise."""
+    """'its own thread holds that lock: log took self._lock at metrics.py:31 and, holding it, called
+    at metrics.py:34 what takes it again at metrics.py:37' when a caller of ``frame`` in the same
+    stack is inside a ``with`` block on the same lock (the same text: 'self._lock'); '' otherwise."""
     lock = lock_taken_at(frame.get("file"), frame.get("line"))
     index = next((i for i, f in enumerate(stack) if f is frame), None)
     if lock is None or not index:
