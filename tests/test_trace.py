@@ -671,3 +671,21 @@ def test_an_errors_callers_keep_the_outermost_and_innermost_frames_of_a_deep_rec
     callers = traceback_callers(info.value.__traceback__)
     assert len(callers) == CALLERS_KEPT
     assert (callers[0][1], callers[-1][1]) == (_line("recursion top"), _line("recursion bottom"))
+
+
+def test_the_error_that_ends_a_thread_is_kept_once_however_often_the_hook_is_installed(monkeypatch):
+    # a kernel that installs the tracer for each launch must not chain the hook into itself
+    from helpers.trace import helper
+
+    monkeypatch.setattr(threading, "excepthook", threading.__excepthook__)
+    monkeypatch.setattr(helper, "_thread_errors", [])
+    helper.note_thread_errors()
+    first = threading.excepthook
+    helper.note_thread_errors()
+    assert threading.excepthook is first
+    thread = threading.Thread(target=lambda: {}["missing"], name="prefetch")
+    thread.start()
+    thread.join()
+    [error] = helper._thread_errors
+    assert (error["thread"], error["error"]) == ("prefetch", "KeyError: 'missing'"), error
+    assert helper.rank_state(0, "test")["thread_errors"] == [error]

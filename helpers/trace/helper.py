@@ -211,8 +211,11 @@ _thread_errors: list[dict[str, Any]] = []  # the last errors that ended a thread
 def note_thread_errors() -> None:
     """Keep the error that ends a thread of this process (``threading.excepthook``: a prefetching
     thread that raised leaves the main thread waiting on its queue forever) for ``rank_state``; the
-    hook before it still runs (Python's prints the traceback)."""
+    hook before it still runs (Python's prints the traceback). Once per process, however often the
+    tracer is installed."""
     previous = threading.excepthook
+    if getattr(previous, "noted_by_helpers", False):
+        return
 
     def noted(args: Any) -> None:
         if args.exc_value is not None and not isinstance(args.exc_value, SystemExit):
@@ -223,6 +226,7 @@ def note_thread_errors() -> None:
             del _thread_errors[:-THREAD_ERRORS_KEPT]
         previous(args)
 
+    noted.noted_by_helpers = True  # type: ignore[attr-defined]
     threading.excepthook = noted
 
 
