@@ -31,8 +31,9 @@ report: bytecode
 # Two pytest workers, a test file each at a time (--dist loadfile: a module's fixtures, such as the
 # catalog run once for all its cases, are not run again on the other worker; a notebook's cells
 # share its kernel). Two at once keep CI's two cores about 90% busy, mostly with torch's import
-# in each fresh rank and agent (2.5 s of CPU each: tests share runs where that changes nothing
-# tested): 17 min, the notebooks 75 to 85 s (and 20 min is the bound for all of make test). Each
+# in each fresh rank and agent (2 s of CPU each with bytecode: tests share runs where that changes
+# nothing tested): 14 to 15 min without Chromium, the notebooks 68 to 82 s; 17 to 18.5 min for all of
+# make test from a fresh clone, install included (20 min is the bound). Each
 # worker has its own temp folder, and the leftover checks look at their own worker's children,
 # ports and temp folder alone.
 test: bytecode
